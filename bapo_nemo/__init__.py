@@ -1,0 +1,13 @@
+"""bapo-nemo: BAPO adaptive clipping for NeMo-RL + Megatron-core, and a single-machine trainer.
+
+Subpackages (data flows one way: runtimes use `algorithm` and `rollout`; `tracking`, `export` and
+`plan` are leaves; only the CLI imports a runtime):
+
+- `algorithm`: the BAPO math (config, bound search, loss). torch + pydantic only.
+- `rollout`: partial-rollout segments and the replay buffer, framework-free and checkpointable.
+- `embedded`: the single-process trainer (tiny model, tasks, generation, train loop).
+- `nemo`: the NeMo-RL v0.7.0 adapter (imports nemo_rl lazily; runs in the container).
+- `tracking`, `export`, `plan`: MLflow and reports, HF export, config checks and memory planning.
+"""
+
+__version__ = "0.1.0"

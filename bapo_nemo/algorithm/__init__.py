@@ -1,0 +1,28 @@
+"""BAPO's math: config, bound search and loss. Depends on torch and pydantic only."""
+
+from bapo_nemo.algorithm.bapo import (
+    AllReduce,
+    ClipSearchResult,
+    NonFiniteInputError,
+    bapo_policy_loss,
+    clipped_policy_loss,
+    clipped_surrogate,
+    importance_ratio,
+    process_group_all_reduce,
+    search_clip_bounds,
+)
+from bapo_nemo.algorithm.config import BAPOConfig, BAPOConfigError
+
+__all__ = [
+    "AllReduce",
+    "BAPOConfig",
+    "BAPOConfigError",
+    "ClipSearchResult",
+    "NonFiniteInputError",
+    "bapo_policy_loss",
+    "clipped_policy_loss",
+    "clipped_surrogate",
+    "importance_ratio",
+    "process_group_all_reduce",
+    "search_clip_bounds",
+]
