@@ -1,0 +1,45 @@
+"""`bapo-nemo`: one entry point, one sub-command per job. Each sub-command lives in the module that owns
+the work and exposes `configure_parser(parser)` and `main(args) -> int`; they are imported lazily so
+that `bapo-nemo check` does not pay for torch/transformers start-up it does not need."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("bapo_nemo.embedded.train_cli", "BAPO training on one machine with the embedded trainer (CPU or one GPU)"),
+    "check": ("bapo_nemo.plan.check_cli", "validate a NeMo-RL config for a cluster shape and estimate per-GPU memory"),
+    "report": ("bapo_nemo.tracking.report_cli", "training-dynamics panels for MLflow runs, as PNG and HTML"),
+    "export": ("bapo_nemo.export.cli", "export a checkpoint to Hugging Face format, with a parity check"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bapo-nemo", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).configure_parser(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Build only the chosen sub-command's parser when one is named, so one broken module cannot take
+    # down the others' --help.
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        parser = argparse.ArgumentParser(prog=f"bapo-nemo {argv[0]}", description=COMMANDS[argv[0]][1])
+        module.configure_parser(parser)
+        return int(module.main(parser.parse_args(argv[1:])) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
