@@ -1,0 +1,422 @@
+"""MLflow tracking that never stalls or loses a training run.
+
+Every record (metrics, params, tags, tables, artifacts, the final status) is first appended to an
+fsync'd JSONL journal ``<buffer_dir>/<run_id>.jsonl`` and then sent. A cursor file holds the sequence
+number of the last record the server accepted, so a replay resumes exactly after it (no duplicates);
+metrics also keep the timestamp they were logged with, and MLflow's SQL store drops an identical
+(key, step, timestamp, value) row, so a record whose acknowledgement was lost is not duplicated either.
+When the server is unreachable the tracker stops trying for ``retry_interval_s`` (so a dead server costs
+one short timeout per interval, not one per step) and keeps journaling; ``flush()`` replays. A process
+that dies with records still journaled replays them the next time a tracker opens the same run id.
+
+Records the server rejects for good (e.g. an invalid value) move to ``<run_id>.rejected.jsonl`` with the
+error, so one bad record cannot block the queue and nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from bapo_nemo.tracking.redact import flatten_and_redact, redact
+
+log = logging.getLogger(__name__)
+
+# Short HTTP timeouts so a dead tracking server costs seconds, not MLflow's default ~4 minutes of
+# retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES=7, MLFLOW_HTTP_REQUEST_TIMEOUT=120 in mlflow 3.x). Only set
+# when the user has not chosen values; the journal makes retries inside MLflow unnecessary.
+HTTP_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+# MLflow error codes that mean "this record will never be accepted", as opposed to an outage.
+_PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
+_METRICS_PER_BATCH = 1000  # MLflow log_batch limits
+_PARAMS_PER_BATCH = 100
+_TAGS_PER_BATCH = 100
+
+
+class TrackingConfigError(ValueError):
+    """The tracking URI or experiment cannot be used; the message says what to use instead."""
+
+
+class TrackingUnavailableError(RuntimeError):
+    """A new run could not be created because the tracking server is unreachable."""
+
+
+def check_tracking_uri(tracking_uri: str) -> str:
+    """Accept ``sqlite:///path.db``, ``http(s)://host:port``, ``databricks``/``postgresql``/``mysql``; refuse a
+    plain file store: metric names such as ``reward/mean`` become nested paths there and MLflow 3 refuses
+    it by default."""
+    if not tracking_uri or not isinstance(tracking_uri, str):
+        raise TrackingConfigError("tracking_uri is empty: use sqlite:///<dir>/mlflow.db or http://<host>:<port>")
+    scheme = urlparse(tracking_uri).scheme
+    if scheme in ("", "file") or (len(scheme) == 1 and tracking_uri[1:3] == ":\\"):
+        raise TrackingConfigError(
+            f"tracking_uri {tracking_uri!r} is a plain file store, which breaks on metric names containing "
+            "'/' (e.g. reward/mean) and is refused by MLflow 3: use sqlite:///<dir>/mlflow.db (no server "
+            "needed) or the URL of an MLflow server, e.g. http://127.0.0.1:5000"
+        )
+    if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
+        raise TrackingConfigError(f"tracking_uri {tracking_uri!r}: write sqlite URIs as sqlite:///<path>.db")
+    return tracking_uri
+
+
+def _is_remote(tracking_uri: str) -> bool:
+    return urlparse(tracking_uri).scheme in ("http", "https", "databricks")
+
+
+def _sqlite_artifact_root(tracking_uri: str, experiment_name: str) -> str | None:
+    """Without a server, MLflow puts artifacts in ./mlruns of whatever the cwd is: keep them next to the db."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db_path = Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment_name)
+    return (db_path.parent / "mlartifacts" / safe).as_uri()
+
+
+def _error_code(exc: BaseException) -> str | None:
+    return getattr(exc, "error_code", None)
+
+
+class MlflowTracker:
+    """One MLflow run, written through a local journal (see the module docstring).
+
+    ``retry_interval_s``: after a failed send, skip sending for this long (records keep journaling).
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment_name: str,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        buffer_dir: str | Path | None = None,
+        *,
+        retry_interval_s: float = 30.0,
+    ) -> None:
+        self.tracking_uri = check_tracking_uri(tracking_uri)
+        if not experiment_name:
+            raise TrackingConfigError("experiment_name is empty: give the MLflow experiment a name")
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self._run_id = run_id
+        self.buffer_dir = Path(buffer_dir) if buffer_dir is not None else Path.cwd() / ".bapo_mlflow_buffer"
+        self.retry_interval_s = retry_interval_s
+        if _is_remote(self.tracking_uri):
+            for var, value in HTTP_ENV_DEFAULTS.items():
+                os.environ.setdefault(var, value)
+        from mlflow.tracking import MlflowClient  # noqa: PLC0415 - mlflow import is slow; pay it here only
+
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._pending: list[dict[str, Any]] = []
+        self._next_seq = 1
+        self._offline_until = 0.0
+        self._finished = False
+        self._existing_params: dict[str, str] | None = None
+        if run_id is not None:
+            self._load_journal()
+
+    # ---- public API (contract 2) -------------------------------------------------------------------
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    def start(self, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """Create the run (or resume ``run_id``), log flattened + redacted params and tags; return the run id.
+
+        Resuming works while the server is down (records are journaled). Creating a new run needs the
+        server: without it there is no run id, and :class:`TrackingUnavailableError` says so.
+        """
+        flat_params = flatten_and_redact(params)
+        safe_tags = redact({str(k): str(v) for k, v in tags.items()})
+        if self._run_id is None:
+            self._create_run(safe_tags)
+            self._load_journal()
+        else:
+            self._resume_run()
+            safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            flat_params = self._params_not_yet_logged(flat_params)
+        if flat_params:
+            self._journal({"kind": "params", "params": flat_params})
+        if safe_tags:
+            self._journal({"kind": "tags", "tags": safe_tags})
+        self._send_pending()
+        return self._run_id  # type: ignore[return-value]
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Journal then send; never raises because the server is down (the data waits on disk)."""
+        self._require_started()
+        timestamp = int(time.time() * 1000)
+        values = {}
+        for key, value in metrics.items():
+            try:
+                values[str(key)] = float(value)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"metric {key!r} at step {step} is not a number: {value!r}") from exc
+        if values:
+            self._journal({"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values})
+            self._send_pending()
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file or directory; when the server is down a copy waits in the buffer directory."""
+        self._require_started()
+        source = Path(local_path)
+        if not source.exists():
+            raise FileNotFoundError(f"log_artifact: {source} does not exist")
+        staged = self._staging_dir() / uuid.uuid4().hex / source.name
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        # A copy, because the caller may overwrite or delete the file before an outage ends.
+        if source.is_dir():
+            shutil.copytree(source, staged)
+        else:
+            shutil.copy2(source, staged)
+        self._journal({"kind": "artifact", "path": str(staged), "artifact_path": artifact_path})
+        self._send_pending()
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        """Log rows (e.g. sample generations) as an MLflow table artifact (shows in the UI's table view)."""
+        self._require_started()
+        if not artifact_file.endswith(".json"):
+            raise ValueError(f"log_table: artifact_file must end with .json (MLflow table format), got {artifact_file!r}")
+        columns: list[str] = []
+        for row in rows:
+            columns.extend(k for k in row if k not in columns)
+        table = {c: [_jsonable(row.get(c)) for row in rows] for c in columns}
+        self._journal({"kind": "table", "data": table, "artifact_file": artifact_file})
+        self._send_pending()
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        """Save a matplotlib figure as PNG and log it (journaled like any artifact)."""
+        staged = self._staging_dir() / uuid.uuid4().hex / Path(artifact_file).name
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(staged, bbox_inches="tight")
+        parent = str(Path(artifact_file).parent)
+        self._journal({"kind": "artifact", "path": str(staged), "artifact_path": None if parent == "." else parent})
+        self._send_pending()
+
+    def flush(self) -> int:
+        """Send every journaled record now (ignoring the back-off); return how many are still waiting."""
+        if self._run_id is None:
+            return 0
+        self._offline_until = 0.0
+        self._send_pending()
+        return len(self._pending)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the run terminated (FINISHED, FAILED, KILLED) after replaying the journal."""
+        if self._run_id is None or self._finished:
+            return
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"finish: status must be FINISHED, FAILED or KILLED, got {status!r}")
+        self._journal({"kind": "terminate", "status": status})
+        remaining = self.flush()
+        self._finished = True
+        if remaining:
+            log.warning(
+                "MLflow server %s unreachable: %d records of run %s wait in %s; they are replayed the next "
+                "time MlflowTracker(run_id=%r, buffer_dir=...) opens this run and calls flush()",
+                self.tracking_uri, remaining, self._run_id, self._journal_path(), self._run_id,
+            )
+
+    # ---- run creation / resumption ---------------------------------------------------------------
+    def _create_run(self, tags: dict[str, str]) -> None:
+        try:
+            experiment = self.client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                experiment_id = self.client.create_experiment(
+                    self.experiment_name,
+                    artifact_location=_sqlite_artifact_root(self.tracking_uri, self.experiment_name),
+                )
+            else:
+                if experiment.lifecycle_stage == "deleted":
+                    raise TrackingConfigError(
+                        f"MLflow experiment {self.experiment_name!r} is deleted: restore it in the MLflow UI or "
+                        "choose another experiment name"
+                    )
+                experiment_id = experiment.experiment_id
+            run = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        except TrackingConfigError:
+            raise
+        except Exception as exc:
+            raise TrackingUnavailableError(
+                f"could not create an MLflow run in experiment {self.experiment_name!r} at {self.tracking_uri}: "
+                f"{exc}. Start the tracking server (or use sqlite:///<dir>/mlflow.db) and retry."
+            ) from exc
+        self._run_id = run.info.run_id
+
+    def _resume_run(self) -> None:
+        try:
+            run = self.client.get_run(self._run_id)
+        except Exception as exc:
+            if _error_code(exc) == "RESOURCE_DOES_NOT_EXIST":
+                raise TrackingConfigError(
+                    f"MLflow run {self._run_id!r} does not exist at {self.tracking_uri}: the checkpoint was "
+                    "tracked elsewhere; pass that tracking URI, or start a new run (drop run_id)"
+                ) from exc
+            log.warning("MLflow server %s unreachable while resuming run %s; journaling to %s (%s)",
+                        self.tracking_uri, self._run_id, self.buffer_dir, exc)
+            self._offline_until = time.monotonic() + self.retry_interval_s
+            return
+        self._existing_params = dict(run.data.params)
+        if run.info.status != "RUNNING":
+            try:
+                self.client.update_run(self._run_id, status="RUNNING")
+            except Exception as exc:  # noqa: BLE001 - status is cosmetic; metrics matter
+                log.warning("could not mark run %s RUNNING: %s", self._run_id, exc)
+
+    def _params_not_yet_logged(self, params: dict[str, str]) -> dict[str, str]:
+        """MLflow params are immutable: on resume log only new keys; record changed ones as a tag."""
+        existing = self._existing_params
+        if existing is None:
+            return params
+        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+        if changed:
+            log.warning("resumed run %s: params changed since the run started (kept the old values): %s",
+                        self._run_id, ", ".join(changed))
+            self._journal({"kind": "tags", "tags": {"bapo.params_changed_on_resume": ",".join(changed)[:5000]}})
+        return {k: v for k, v in params.items() if k not in existing}
+
+    # ---- journal ---------------------------------------------------------------------------------
+    def _journal_path(self) -> Path:
+        return self.buffer_dir / f"{self._run_id}.jsonl"
+
+    def _cursor_path(self) -> Path:
+        return self.buffer_dir / f"{self._run_id}.cursor"
+
+    def _staging_dir(self) -> Path:
+        return self.buffer_dir / f"{self._run_id}.artifacts"
+
+    def _load_journal(self) -> None:
+        """Pick up records a previous process journaled but never got acknowledged."""
+        self.buffer_dir.mkdir(parents=True, exist_ok=True)
+        cursor = 0
+        if self._cursor_path().exists():
+            cursor = int(self._cursor_path().read_text().strip() or 0)
+        self._pending, last_seq = [], cursor
+        if self._journal_path().exists():
+            lines = self._journal_path().read_text().splitlines()
+            for number, line in enumerate(lines):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    if number == len(lines) - 1:
+                        continue  # torn last line of a process killed mid-write: never acknowledged
+                    raise ValueError(f"{self._journal_path()}: line {number + 1} is not JSON; fix or remove it")
+                last_seq = max(last_seq, record["seq"])
+                if record["seq"] > cursor:
+                    self._pending.append(record)
+        self._next_seq = last_seq + 1
+        if self._pending:
+            log.info("run %s: %d journaled records from an earlier process will be replayed", self._run_id,
+                     len(self._pending))
+
+    def _journal(self, record: dict[str, Any]) -> None:
+        record = {"seq": self._next_seq, **record}
+        self._next_seq += 1
+        self.buffer_dir.mkdir(parents=True, exist_ok=True)
+        with open(self._journal_path(), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, allow_nan=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._pending.append(record)
+
+    def _acknowledge(self, seq: int) -> None:
+        tmp = self._cursor_path().with_suffix(".cursor.tmp")
+        with open(tmp, "w") as fh:
+            fh.write(str(seq))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self._cursor_path())
+
+    def _compact(self) -> None:
+        """Everything is acknowledged: empty the journal (the cursor keeps the sequence going)."""
+        with open(self._journal_path(), "w") as fh:
+            fh.flush()
+            os.fsync(fh.fileno())
+        staging = self._staging_dir()
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _reject(self, record: dict[str, Any], exc: BaseException) -> None:
+        path = self.buffer_dir / f"{self._run_id}.rejected.jsonl"
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({**record, "error": str(exc)[:2000]}, allow_nan=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        log.error("MLflow rejected record %d of run %s (%s); kept in %s", record["seq"], self._run_id, exc, path)
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def _send_pending(self) -> None:
+        if not self._pending or time.monotonic() < self._offline_until:
+            return
+        sent_any = False
+        while self._pending:
+            record = self._pending[0]
+            try:
+                self._send(record)
+            except Exception as exc:  # noqa: BLE001 - any failure must leave training running
+                if _error_code(exc) in _PERMANENT_ERRORS:
+                    self._reject(record, exc)
+                else:
+                    self._offline_until = time.monotonic() + self.retry_interval_s
+                    log.warning("MLflow server %s unreachable (%s); %d records journaled in %s, retrying in %.0f s",
+                                self.tracking_uri, str(exc).splitlines()[0][:300], len(self._pending),
+                                self._journal_path(), self.retry_interval_s)
+                    break
+            self._acknowledge(record["seq"])
+            self._pending.pop(0)
+            sent_any = True
+        if sent_any and not self._pending:
+            self._compact()
+
+    def _send(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415
+
+        kind, run_id = record["kind"], self._run_id
+        if kind == "metrics":
+            items = [Metric(k, v, record["timestamp"], record["step"]) for k, v in record["metrics"].items()]
+            for i in range(0, len(items), _METRICS_PER_BATCH):
+                self.client.log_batch(run_id, metrics=items[i : i + _METRICS_PER_BATCH], synchronous=True)
+        elif kind == "params":
+            items = [Param(k, v) for k, v in record["params"].items()]
+            for i in range(0, len(items), _PARAMS_PER_BATCH):
+                self.client.log_batch(run_id, params=items[i : i + _PARAMS_PER_BATCH], synchronous=True)
+        elif kind == "tags":
+            items = [RunTag(k, v) for k, v in record["tags"].items()]
+            for i in range(0, len(items), _TAGS_PER_BATCH):
+                self.client.log_batch(run_id, tags=items[i : i + _TAGS_PER_BATCH], synchronous=True)
+        elif kind == "table":
+            self.client.log_table(run_id, data=record["data"], artifact_file=record["artifact_file"])
+        elif kind == "artifact":
+            path = Path(record["path"])
+            if path.is_dir():
+                target = f"{record['artifact_path']}/{path.name}" if record["artifact_path"] else path.name
+                self.client.log_artifacts(run_id, str(path), target)
+            else:
+                self.client.log_artifact(run_id, str(path), record["artifact_path"])
+        elif kind == "terminate":
+            self.client.set_terminated(run_id, status=record["status"])
+        else:
+            raise ValueError(f"{self._journal_path()}: unknown record kind {kind!r} (seq {record['seq']})")
+
+    def _require_started(self) -> None:
+        if self._run_id is None:
+            raise RuntimeError("MlflowTracker: call start(params, tags) before logging")
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
