@@ -129,7 +129,7 @@ class BAPOConfig(BaseModel):
     ) -> "BAPOConfig":
         """Build the config that reproduces the authors' verl recipe (`recipe/bapo/policy_loss.py`); the
         arguments are that recipe's names and YAML defaults. Its P/N target q is our share q / (1 + q)."""
-        return cls(
+        fields = dict(
             rho0=adv_ratio_target / (1.0 + adv_ratio_target),
             c_low_min=ratio_lower_start,
             c_low_max=ratio_lower_max,
@@ -141,8 +141,8 @@ class BAPOConfig(BaseModel):
             dual_clip=clip_ratio_c,
             order="reference",
             measure="value",
-            **overrides,
         )
+        return cls(**(fields | overrides))
 
     @classmethod
     def parse(cls, data: dict | None, where: str = "bapo") -> "BAPOConfig":
