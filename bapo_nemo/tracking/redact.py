@@ -91,7 +91,8 @@ def flatten(config: Mapping[str, Any], sep: str = ".", prefix: str = "") -> dict
         else:
             text = _to_text(value)
             if len(text) > MAX_PARAM_VALUE_LENGTH:
-                text = text[: MAX_PARAM_VALUE_LENGTH - 20] + "...[truncated]"
+                marker = "...[truncated]"
+                text = text[: MAX_PARAM_VALUE_LENGTH - len(marker)] + marker
             out[name] = text
     return out
 

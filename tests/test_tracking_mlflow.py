@@ -1,0 +1,297 @@
+"""MlflowTracker against a real `mlflow server` (sqlite backend, started on 127.0.0.1 by this module) and
+against a plain sqlite store without a server. Everything is read back through MlflowClient."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from bapo_nemo.tracking.mlflow_tracker import (
+    MlflowTracker,
+    TrackingConfigError,
+    TrackingUnavailableError,
+)
+from bapo_nemo.tracking.redact import REDACTED, flatten, is_secret_key
+from bapo_nemo.tracking.tags import config_hash, default_tags
+
+MLFLOW_BIN = str(Path(sys.executable).with_name("mlflow"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real `mlflow server` process on 127.0.0.1 that a test can stop and restart on the same port+store."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        cmd = [MLFLOW_BIN, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
+               "--artifacts-destination", str(self.root / "server_artifacts"),
+               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.root / "server.log", "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"mlflow server not ready after {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+CONFIG = {
+    "model": {"name": "tiny-qwen2", "hf_token": "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"},
+    "rollout": {"max_new_tokens": 64, "token_budget": 512},
+    "tokenizer": {"pad_token": "<|endoftext|>"},
+    "mlflow": {"tracking_uri": "https://alice:hunter2@mlflow.example.com"},
+    "wandb_api_key": "abc123",
+    "db": {"password": "pw-value-1", "credentials_file": "/secret/creds.json"},
+    "bapo": {"rho0": 0.4, "c_high_max": 3.0},
+}
+SECRETS = ["hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "hunter2", "abc123", "pw-value-1", "/secret/creds.json",
+           "sk-live-token-0123456789abcdefghij"]
+
+
+def test_params_metrics_tags_artifacts_through_server(server, tmp_path):
+    """Everything a training run logs is readable back from the server, with secrets redacted."""
+    tracker = MlflowTracker(server.uri, "bapo-server", run_name="run-a", buffer_dir=tmp_path / "buf")
+    tags = {**default_tags(CONFIG), "user_note": "first run", "OPENAI_KEY": "sk-live-token-0123456789abcdefghij"}
+    run_id = tracker.start(CONFIG, tags)
+    for step in range(3):
+        tracker.log_metrics({"reward/mean": 0.1 * step, "bapo/c_high": 1.2 + 0.05 * step}, step=step)
+    tracker.log_table([{"step": 2, "prompt": "1+1=", "response": "2"},
+                       {"step": 2, "prompt": "2+2=", "response": "4", "reward": 1.0}], "generations/step_2.json")
+    (tmp_path / "config.yaml").write_text("bapo:\n  rho0: 0.4\n")
+    tracker.log_artifact(tmp_path / "config.yaml", artifact_path="config")
+    tracker.finish()
+
+    client = MlflowClient(server.uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "run-a"
+    params = run.data.params
+    assert params["model.name"] == "tiny-qwen2"
+    assert params["rollout.max_new_tokens"] == "64" and params["rollout.token_budget"] == "512"
+    assert params["tokenizer.pad_token"] == "<|endoftext|>"  # a special-token name is not a secret
+    assert params["bapo.rho0"] == "0.4"
+    assert params["model.hf_token"] == REDACTED and params["wandb_api_key"] == REDACTED
+    assert params["db.password"] == REDACTED and params["db.credentials_file"] == REDACTED
+    assert params["mlflow.tracking_uri"] == f"https://alice:{REDACTED}@mlflow.example.com"
+    assert run.data.tags["OPENAI_KEY"] == REDACTED
+    everything = " ".join(list(params.values()) + list(run.data.tags.values()))
+    for secret in SECRETS:
+        assert secret not in everything, secret
+    assert run.data.tags["config_hash"] == config_hash(CONFIG)
+    assert run.data.tags["host"] == socket.gethostname() and run.data.tags["user_note"] == "first run"
+    # 0.1*step for steps 0..2 -> 0.0, 0.1, 0.2
+    assert _history(client, run_id, "reward/mean") == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    assert _history(client, run_id, "bapo/c_high") == [(0, 1.2), (1, 1.25), (2, pytest.approx(1.3))]
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"config", "generations"}
+    table = Path(client.download_artifacts(run_id, "generations/step_2.json", str(tmp_path / "dl")))
+    import json
+
+    payload = json.loads(table.read_text())
+    assert payload["columns"] == ["step", "prompt", "response", "reward"]
+    assert payload["data"][1] == [2, "2+2=", "4", 1.0] and payload["data"][0][3] is None
+    assert client.download_artifacts(run_id, "config/config.yaml", str(tmp_path / "dl2"))
+    # an acknowledged journal is compacted: nothing left to replay
+    assert (tmp_path / "buf" / f"{run_id}.jsonl").read_text() == ""
+
+
+def test_outage_buffers_and_replays_every_metric_exactly_once(server, tmp_path):
+    """Stop the real server mid-run, keep logging (training goes on), restart it on the same port and store,
+    reopen the run from a new tracker (as a restarted trainer does) and flush: steps 0..11 each exactly once."""
+    buf = tmp_path / "buf"
+    tracker = MlflowTracker(server.uri, "bapo-outage", buffer_dir=buf, retry_interval_s=3600)
+    run_id = tracker.start({"lr": 1e-5}, {"phase": "before"})
+    for step in range(4):
+        tracker.log_metrics({"loss": float(step), "grad_norm": 10.0 + step}, step=step)
+    server.stop()
+    for step in range(4, 8):  # first call fails fast (connection refused) and backs off; the rest only journal
+        tracker.log_metrics({"loss": float(step), "grad_norm": 10.0 + step}, step=step)
+    (tmp_path / "plot.txt").write_text("curve")
+    tracker.log_artifact(tmp_path / "plot.txt")
+    (tmp_path / "plot.txt").unlink()  # the staged copy must survive the caller deleting its file
+    assert tracker.flush() == 5  # 4 metric records + 1 artifact, still down
+    del tracker  # the trainer process dies during the outage
+
+    server.start()
+    resumed = MlflowTracker(server.uri, "bapo-outage", run_id=run_id, buffer_dir=buf)
+    assert resumed.start({"lr": 1e-5, "new_setting": 3}, {"phase": "after"}) == run_id
+    for step in range(8, 12):
+        resumed.log_metrics({"loss": float(step), "grad_norm": 10.0 + step}, step=step)
+    assert resumed.flush() == 0
+    resumed.finish()
+
+    client = MlflowClient(server.uri)
+    assert _history(client, run_id, "loss") == [(s, float(s)) for s in range(12)]
+    assert _history(client, run_id, "grad_norm") == [(s, 10.0 + s) for s in range(12)]
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "1e-05", "new_setting": "3"}
+    assert run.data.tags["phase"] == "after" and "bapo.resumed_at" in run.data.tags
+    assert run.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(run_id)] == ["plot.txt"]
+
+
+def test_new_run_with_server_down_fails_fast_with_clear_error(tmp_path):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    tracker = MlflowTracker(dead, "nowhere", buffer_dir=tmp_path)
+    with pytest.raises(TrackingUnavailableError, match="Start the tracking server"):
+        tracker.start({}, {})
+
+
+def test_replay_after_lost_acknowledgement_does_not_duplicate(tmp_path):
+    """A record the store accepted but whose acknowledgement was lost (cursor not advanced) is sent again on
+    replay; the journaled timestamp makes it identical, so the SQL store keeps one row."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    buf = tmp_path / "buf"
+    tracker = MlflowTracker(uri, "dedup", buffer_dir=buf)
+    run_id = tracker.start({"a": 1}, {})
+    journal = buf / f"{run_id}.jsonl"
+    tracker._compact = lambda: None  # keep the journal to simulate the crash window before compaction
+    for step in range(3):
+        tracker.log_metrics({"reward/mean": step / 2}, step=step)
+    (buf / f"{run_id}.cursor").write_text("0")  # lost acknowledgements: everything replays
+    assert len(journal.read_text().splitlines()) == 3  # the params record was compacted at start()
+
+    replay = MlflowTracker(uri, "dedup", run_id=run_id, buffer_dir=buf)
+    assert replay.flush() == 0
+    client = MlflowClient(uri)
+    assert _history(client, run_id, "reward/mean") == [(0, 0.0), (1, 0.5), (2, 1.0)]
+    assert client.get_run(run_id).data.params == {"a": "1"}
+
+
+def test_torn_last_journal_line_is_ignored(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    buf = tmp_path / "buf"
+    run_id = MlflowTracker(uri, "torn", buffer_dir=buf).start({}, {})
+    (buf / f"{run_id}.jsonl").write_text(
+        '{"seq": 1, "kind": "metrics", "step": 5, "timestamp": 1000, "metrics": {"x": 2.0}}\n{"seq": 2, "ki'
+    )
+    tracker = MlflowTracker(uri, "torn", run_id=run_id, buffer_dir=buf)
+    assert tracker.flush() == 0
+    assert _history(MlflowClient(uri), run_id, "x") == [(5, 2.0)]
+    tracker.log_metrics({"x": 3.0}, step=6)  # sequence continues after the torn record
+    assert _history(MlflowClient(uri), run_id, "x") == [(5, 2.0), (6, 3.0)]
+
+
+def test_sqlite_artifacts_land_next_to_the_database(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
+    (tmp_path / "db").mkdir()
+    tracker = MlflowTracker(uri, "art", buffer_dir=tmp_path / "buf")
+    run_id = tracker.start({}, {})
+    (tmp_path / "f.txt").write_text("x")
+    tracker.log_artifact(tmp_path / "f.txt")
+    tracker.finish("FAILED")
+    assert not (tmp_path / "mlruns").exists()
+    assert list((tmp_path / "db" / "mlartifacts").rglob("f.txt"))
+    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+
+
+def test_resume_unknown_run_names_it(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowTracker(uri, "x", buffer_dir=tmp_path).start({}, {})
+    with pytest.raises(TrackingConfigError, match="0123456789abcdef0123456789abcdef.*does not exist"):
+        MlflowTracker(uri, "x", run_id="0123456789abcdef0123456789abcdef", buffer_dir=tmp_path).start({}, {})
+
+
+def test_resume_with_changed_param_keeps_old_value_and_tags_the_change(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = MlflowTracker(uri, "x", buffer_dir=tmp_path).start({"steps": 10, "lr": 0.1}, {})
+    MlflowTracker(uri, "x", run_id=run_id, buffer_dir=tmp_path).start({"steps": 20, "lr": 0.1}, {})
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.params == {"steps": "10", "lr": "0.1"}
+    assert run.data.tags["bapo.params_changed_on_resume"] == "steps"
+
+
+@pytest.mark.parametrize("uri", ["/tmp/mlruns", "file:///tmp/mlruns", "./mlruns", "sqlite://relative.db", ""])
+def test_plain_file_store_and_malformed_uris_are_refused(uri, tmp_path):
+    with pytest.raises(TrackingConfigError, match="sqlite:///"):
+        MlflowTracker(uri, "x", buffer_dir=tmp_path)
+
+
+def test_non_numeric_metric_names_the_key(tmp_path):
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/m.db", "x", buffer_dir=tmp_path)
+    tracker.start({}, {})
+    with pytest.raises(TypeError, match="'reward/mean' at step 3"):
+        tracker.log_metrics({"reward/mean": "high"}, step=3)
+
+
+@pytest.mark.parametrize(
+    "key, secret",
+    [
+        ("hf_token", True), ("model.HF_TOKEN", True), ("wandb.api_key", True), ("apiKey", True),
+        ("db_password", True), ("aws_secret_access_key", True), ("credentials_path", True),
+        ("auth", True), ("client_secret_id", True),
+        ("max_new_tokens", False), ("token_budget", False), ("pad_token", False), ("eos_token", False),
+        ("pad_token_id", False), ("key_frames", False), ("num_keys_seen", False), ("monkey_patch", False),
+    ],
+)
+def test_secret_key_rule(key, secret):
+    assert is_secret_key(key) is secret
+
+
+def test_flatten_nested_lists_and_long_values():
+    flat = flatten({"a": {"b": [1, 2], "c": {"d": None}}, "long": "x" * 7000, "empty": {}})
+    assert flat["a.b"] == "[1, 2]" and flat["a.c.d"] == "None" and flat["empty"] == "{}"
+    assert len(flat["long"]) == 6000 and flat["long"].endswith("...[truncated]")
+
+
+def test_default_tags_read_environment(monkeypatch):
+    monkeypatch.setenv("BAPO_CONTAINER_IMAGE", "nvcr.io/nvidia/nemo-rl:v0.7.0")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("BAPO_GIT_COMMIT", "0" * 40)
+    tags = default_tags({"b": 1, "a": 2})
+    assert tags["container_image"] == "nvcr.io/nvidia/nemo-rl:v0.7.0"
+    assert tags["slurm.job_id"] == "4242" and tags["git.commit"] == "0" * 40
+    assert tags["config_hash"] == config_hash({"a": 2, "b": 1})  # key order does not matter
+    assert tags["host"] == socket.gethostname()
