@@ -111,17 +111,18 @@ def test_metrics_are_hand_computable():
     assert m["bapo/rho"] == pytest.approx(2.3 / 3.9) and m["bapo/steps"] == 0 and m["bapo/target_met"] == 1.0
     assert (m["bapo/clipfrac_pos"], m["bapo/clipfrac_neg"]) == (0.5, 0.5)
     assert m["bapo/ratio_mean"] == pytest.approx((1.5 + 1.1 + 0.5 + 1.0) / 4)
-    # k3 = 1/r - 1 + ln r, averaged
-    k3 = sum(1 / x - 1 + math.log(x) for x in [1.5, 1.1, 0.5, 1.0]) / 4
+    # k3 = (r - 1) - ln r, averaged (KL(old || new); the tokens were sampled from the old policy)
+    k3 = sum(x - 1 - math.log(x) for x in [1.5, 1.1, 0.5, 1.0]) / 4
     assert m["bapo/approx_kl"] == pytest.approx(k3)
 
 
 def test_nonfinite_logprobs_raise_or_mask():
     logp, old, adv, mask = _inputs(seed=1, b=2, t=5)
-    logp = logp.clone()
+    logp, old, adv = logp.clone(), old.clone(), adv.clone()
     logp[0, 0] = math.nan
-    logp[1, 2] = math.inf  # a +inf log-prob would be clamped to a finite ratio: must still be caught
-    mask[0, 0] = mask[1, 2] = 1.0
+    adv[1, 2] = math.nan
+    old[1, 3] = -math.inf  # log-ratio +inf: clamped to +20 like any stale token, not an error
+    mask[0, 0] = mask[1, 2] = mask[1, 3] = 1.0
     with pytest.raises(NonFiniteInputError, match="^2 unmasked"):
         bapo_policy_loss(logp, old, adv, mask, mask.sum(), BAPOConfig())
     loss, m = bapo_policy_loss(logp, old, adv, mask, mask.sum(), BAPOConfig(nonfinite="mask"))
@@ -130,7 +131,9 @@ def test_nonfinite_logprobs_raise_or_mask():
     clean_mask = mask.clone()
     clean_mask[0, 0] = clean_mask[1, 2] = 0
     logp_clean = torch.where(clean_mask > 0, logp, torch.zeros_like(logp))
-    ref, _ = bapo_policy_loss(logp_clean, old, adv, clean_mask, mask.sum(), BAPOConfig())
+    adv_clean = torch.where(clean_mask > 0, adv, torch.zeros_like(adv))
+    ref, m_ref = bapo_policy_loss(logp_clean, old, adv_clean, clean_mask, mask.sum(), BAPOConfig(nonfinite="mask"))
+    assert m_ref["bapo/nonfinite_tokens"] == 0 and m["bapo/num_tokens"] == m_ref["bapo/num_tokens"]
     assert float(loss) == pytest.approx(float(ref))
 
 
@@ -159,3 +162,22 @@ def test_invalid_config_names_the_field_and_allowed_values(update, needle):
 def test_reference_recipe_maps_p_over_n_target_to_share():
     cfg = BAPOConfig.from_reference_recipe(adv_ratio_target=1.0)
     assert cfg.rho0 == 0.5 and cfg.pn_target == pytest.approx(1.0) and cfg.order == "reference"
+
+
+@pytest.mark.parametrize("dual", [None, 2.0 + 1.5])
+def test_histogram_metrics_equal_direct_token_counts(dual):
+    logp, old, adv, mask = _inputs(seed=5, b=16, t=64, scale=0.9)
+    cfg = BAPOConfig(dual_clip=dual)
+    _, m = bapo_policy_loss(logp, old, adv, mask, mask.sum(), cfg)
+    r = torch.exp(torch.clamp(logp - old, -20, 20))
+    valid = mask > 0
+    pos, neg = valid & (adv > 0), valid & (adv < 0)
+    assert m["bapo/tokens_pos"] == int(pos.sum()) and m["bapo/tokens_neg"] == int(neg.sum())
+    assert m["bapo/clipfrac_pos"] == pytest.approx(float((pos & (r > m["bapo/c_high"])).sum() / pos.sum()))
+    assert m["bapo/clipfrac_neg"] == pytest.approx(float((neg & (r < m["bapo/c_low"])).sum() / neg.sum()))
+    want_dual = float((neg & (r > dual)).sum() / neg.sum()) if dual else 0.0
+    assert m["bapo/clipfrac_dual"] == pytest.approx(want_dual)
+    if dual:
+        assert want_dual > 0  # the data reach the dual-clip region, so the check is not vacuous
+    assert m["bapo/ratio_mean"] == pytest.approx(float(r[valid].mean()))
+    assert m["bapo/approx_kl"] == pytest.approx(float((r - 1 - torch.log(r))[valid].mean()))

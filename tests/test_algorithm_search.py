@@ -311,5 +311,6 @@ def test_all_reduce_is_called_exactly_once():
         return t
 
     search_clip_bounds(torch.rand(100) + 0.5, torch.randn(100), torch.ones(100), BAPOConfig(), counting_sum)
-    # one call carrying every histogram: (37+1)*2 + (16+1)*3 + 2 = 129 numbers
-    assert calls == [129]
+    # one call carrying every histogram: edges = 16 c_low + 37 c_high = 53 -> 54 buckets;
+    # bins = 2 * 54 (by sign) + 3 (zero advantage, non-finite, masked) = 111; 5 statistics -> 555 numbers
+    assert calls == [555]

@@ -46,7 +46,7 @@ def process_group_all_reduce(group=None) -> AllReduce:
 
 @dataclass(frozen=True)
 class ClipSearchResult:
-    """Bounds chosen for one update and the statistics behind them (all global over the reduction)."""
+    """Bounds chosen for one update and the statistics behind them, global over the reduction."""
 
     c_low: float
     c_high: float
@@ -56,8 +56,15 @@ class ClipSearchResult:
     steps: int  # bound moves made by Algorithm 1 (0 = the starting bounds were enough)
     positive_mass: float  # P at the chosen bounds
     negative_mass: float  # N at the chosen bounds
-    num_tokens: float  # unmasked tokens that entered the statistics
-    nonfinite_tokens: int  # tokens dropped because of NaN/inf (only with nonfinite="mask")
+    num_tokens: float  # unmasked, finite tokens that entered the statistics
+    nonfinite_tokens: int  # unmasked tokens with NaN/inf ratio or advantage (dropped with nonfinite="mask")
+    tokens_pos: float  # tokens with A > 0
+    tokens_neg: float  # tokens with A < 0
+    clipfrac_pos: float  # share of A > 0 tokens above c_high (no gradient)
+    clipfrac_neg: float  # share of A < 0 tokens below c_low (no gradient)
+    clipfrac_dual: float  # share of A < 0 tokens above the dual-clip constant (no gradient)
+    ratio_mean: float  # mean importance ratio
+    approx_kl: float  # mean of k3 = (r - 1) - log r, KL(old || new) for tokens sampled from old
 
     def as_metrics(self, prefix: str = "bapo/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in asdict(self).items()}
@@ -66,12 +73,39 @@ class ClipSearchResult:
 # --------------------------------------------------------------------------------------------------
 # Eq. 8: the positive share rho = P / (P + N), for every grid point at once
 # --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Edges:
+    """Bucket edges shared by both bounds, so one `searchsorted` places every token.
+
+    With b = #{edges < r}: the first L edges are the c_low grid shifted one float down (so "edge < r"
+    means "c_low <= r": a negative token at exactly c_low still has gradient), then the H c_high points
+    ("c_high < r": clipped), then the dual-clip constant if any ("c < r").
+    """
+
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    dual: float | None
+
+    @property
+    def values(self) -> list[float]:
+        shifted_low = [math.nextafter(x, -math.inf) for x in self.low]
+        return shifted_low + list(self.high) + ([self.dual] if self.dual is not None else [])
+
+    @property
+    def n_bins(self) -> int:
+        return len(self.values) + 1
+
+
+def _edges(config: BAPOConfig) -> _Edges:
+    return _Edges(tuple(config.c_low_grid()), tuple(config.c_high_grid()), config.dual_clip)
+
+
 def _share(p: torch.Tensor, n: torch.Tensor, config: BAPOConfig) -> torch.Tensor:
     """Positive share, and the quantity compared with the target.
 
     paper: rho = P / (P + N), 1.0 when N = 0 (no negative mass: nothing to balance).
     reference: the authors' code compares P / (N + eps) with q = rho0 / (1 - rho0); we report the
-    equivalent share q' / (1 + q') with q' = P / (N + eps) so both orders log the same quantity.
+    equivalent share q' / (1 + q') with q' = P / (N + eps), so both orders log the same quantity.
     """
     if config.order == "reference":
         pn = torch.where(n > 0, p / (n + config.pn_eps), torch.full_like(p, math.inf))
@@ -80,69 +114,76 @@ def _share(p: torch.Tensor, n: torch.Tensor, config: BAPOConfig) -> torch.Tensor
     return torch.where(n > 0, p / total.clamp_min(torch.finfo(total.dtype).tiny), torch.ones_like(p))
 
 
-def _reduced_histograms(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    weight: torch.Tensor,
-    c_low_grid: torch.Tensor,
-    c_high_grid: torch.Tensor,
-    dual_clip: float | None,
-    nonfinite_tokens: torch.Tensor,
-    all_reduce: AllReduce | None,
-) -> torch.Tensor:
-    """One pass over the tokens: bucket each ratio against its grid and sum A*r and A per bucket.
-
-    Positive tokens (A > 0) are bucketed on the c_high grid, bucket b = first k with c_high[k] >= r, so
-    min(r, c_high[k]) = r exactly for b <= k. Negative tokens on the c_low grid, b = #{j: c_low[j] <= r},
-    so max(r, c_low[j]) = r exactly for j < b. Returns the reduced vector
-    [pos A*r (I+2) | pos A (I+2) | neg |A|*r (J+2) | neg |A| (J+2) | neg |A|*r under dual clip (J+2) | n_tok | n_bad].
+def _token_histograms(ratio, advantages, mask, weights, edges: _Edges, with_abs_a: bool) -> torch.Tensor:
+    """The only pass over the tokens. Each token gets a bin code:
+    [0, U) positive tokens by bucket, [U, 2U) negative tokens by bucket, 2U zero advantage,
+    2U+1 non-finite, 2U+2 masked. Per bin: token count, sum |A| r, sum |A| (value measure only),
+    sum r and sum log r (for the ratio and KL metrics), all in float64.
     """
-    n_hi, n_lo = c_high_grid.numel() + 1, c_low_grid.numel() + 1
-    r = ratio.reshape(-1).to(torch.float64)
-    a = advantages.reshape(-1).to(torch.float64) * weight.reshape(-1).to(torch.float64)
-    pos, neg = a > 0, a < 0
-    b_hi = torch.searchsorted(c_high_grid, r, right=False)
-    b_lo = torch.searchsorted(c_low_grid, r, right=True)
-    # One bincount per weight: positive buckets occupy [0, n_hi), negative ones [n_hi, n_hi + n_lo);
-    # zero-advantage and masked tokens go to a discarded last bin.
-    dump = n_hi + n_lo
-    index = torch.where(pos, b_hi, torch.where(neg, n_hi + b_lo, torch.full_like(b_hi, dump)))
-    abs_a = a.abs()
-    sum_ar = torch.bincount(index, weights=abs_a * r, minlength=dump + 1)[:dump]
-    sum_a = torch.bincount(index, weights=abs_a, minlength=dump + 1)[:dump]
-    if dual_clip is not None:
-        # Negative tokens with r > dual_clip sit at the constant -A*c: no gradient.
-        ar_dual = torch.where(neg & (r <= dual_clip), abs_a * r, torch.zeros_like(r))
-        neg_ar_dual = torch.bincount(index, weights=ar_dual, minlength=dump + 1)[n_hi:dump]
-    else:
-        neg_ar_dual = sum_ar[n_hi:dump]
-    counts = torch.stack([(weight.reshape(-1) > 0).sum().to(torch.float64), nonfinite_tokens.to(torch.float64)])
-    packed = torch.cat([sum_ar[:n_hi], sum_a[:n_hi], sum_ar[n_hi:], sum_a[n_hi:], neg_ar_dual, counts])
-    if all_reduce is not None:
-        packed = all_reduce(packed)
-    return packed
+    u = edges.n_bins
+    r = ratio.reshape(-1)
+    a = advantages.reshape(-1)
+    ar = r * a
+    bucket = torch.searchsorted(torch.tensor(edges.values, dtype=r.dtype, device=r.device), r)
+    code = torch.where(a > 0, bucket, bucket + u)
+    code = torch.where(a == 0, 2 * u, code)
+    code = torch.where(torch.isfinite(ar), code, 2 * u + 1)
+    code = torch.where(mask.reshape(-1) > 0, code, 2 * u + 2)
+    n = 2 * u + 3
+    abs_ar, abs_a = ar.abs(), a.abs()
+    if weights is not None:
+        w = weights.reshape(-1)
+        abs_ar, abs_a = abs_ar * w, abs_a * w
+    parts = [
+        torch.bincount(code, minlength=n).to(torch.float64),
+        torch.bincount(code, weights=abs_ar.to(torch.float64), minlength=n),
+        torch.bincount(code, weights=abs_a.to(torch.float64), minlength=n) if with_abs_a else None,
+        torch.bincount(code, weights=r.to(torch.float64), minlength=n),
+        torch.bincount(code, weights=torch.log(r).to(torch.float64), minlength=n),
+    ]
+    # Non-finite values sit in their own bin; zero it so a NaN cannot reach the collective.
+    packed = torch.stack([x if x is not None else torch.zeros_like(parts[0]) for x in parts])
+    packed[1:, 2 * u + 1] = 0.0
+    return packed.reshape(-1)
 
 
-def _masses_on_grid(packed: torch.Tensor, c_low_grid, c_high_grid, measure: str):
+def _masses_on_grid(hist: torch.Tensor, edges: _Edges, measure: str):
     """P for every c_high and N for every c_low, from the reduced histograms (host side, tiny).
 
     value (Eq. 8):   P(h) = sum_{A>0} A min(r, h)          N(l) = sum_{A<0} |A| max(r, l)
-    gradient:        P(h) = sum_{A>0, r<=h} A r            N(l) = sum_{A<0, r>=l, r<=dual} |A| r
+    gradient:        P(h) = sum_{A>0, r<=h} A r            N(l) = sum_{A<0, r>=l, r<=c} |A| r
     The gradient measure counts only tokens whose surrogate still has a gradient (|d(rA)| = |A| r).
     """
-    n_hi, n_lo = c_high_grid.numel() + 1, c_low_grid.numel() + 1
-    pos_ar, pos_a, neg_ar, neg_a, neg_ar_dual, counts = torch.split(packed, [n_hi, n_hi, n_lo, n_lo, n_lo, 2])
-    pos_ar_below = torch.cumsum(pos_ar, 0)[:-1]  # buckets b <= k: r <= c_high[k]
-    pos_a_above = pos_a.sum() - torch.cumsum(pos_a, 0)[:-1]  # buckets b > k: r > c_high[k]
-    neg_ar_above = neg_ar.sum() - torch.cumsum(neg_ar, 0)[:-1]  # buckets b > j: r >= c_low[j]
-    neg_a_below = torch.cumsum(neg_a, 0)[:-1]  # buckets b <= j: r < c_low[j]
+    n_low, n_high, u = len(edges.low), len(edges.high), edges.n_bins
+    grid_low = torch.tensor(edges.low, dtype=torch.float64)
+    grid_high = torch.tensor(edges.high, dtype=torch.float64)
+    count, abs_ar, abs_a = hist[0], hist[1], hist[2]
+
+    # Positive tokens: c_high bucket k = #{c_high < r}, i.e. union bucket minus the n_low low edges.
+    pos_bucket = (torch.arange(u) - n_low).clamp(0, n_high)
+    pos = {name: torch.zeros(n_high + 1, dtype=torch.float64).index_add_(0, pos_bucket, h[:u])
+           for name, h in (("count", count), ("ar", abs_ar), ("a", abs_a))}
+    # Negative tokens: c_low bucket j = #{c_low <= r}; the bucket past the dual constant is kept apart.
+    beyond_dual = u - 1 if edges.dual is not None else None
+    neg_bucket = torch.arange(u).clamp(0, n_low)
+    neg_keep = torch.ones(u, dtype=torch.float64)
+    if beyond_dual is not None:
+        neg_keep[beyond_dual] = 0.0
+    neg = {name: torch.zeros(n_low + 1, dtype=torch.float64).index_add_(0, neg_bucket, h[u : 2 * u] * neg_keep)
+           for name, h in (("count", count), ("ar", abs_ar), ("a", abs_a))}
+    dual = {name: (h[u + beyond_dual] if beyond_dual is not None else torch.tensor(0.0, dtype=torch.float64))
+            for name, h in (("count", count), ("ar", abs_ar), ("a", abs_a))}
+
+    pos_ar_below = torch.cumsum(pos["ar"], 0)[:-1]  # r <= c_high[k]
+    pos_a_above = pos["a"].sum() - torch.cumsum(pos["a"], 0)[:-1]  # r > c_high[k]
+    neg_ar_above = neg["ar"].sum() - torch.cumsum(neg["ar"], 0)[:-1]  # c_low[j] <= r (<= dual)
+    neg_a_below = torch.cumsum(neg["a"], 0)[:-1]  # r < c_low[j]
     if measure == "value":
-        p = pos_ar_below + c_high_grid * pos_a_above
-        n = neg_ar_above + c_low_grid * neg_a_below
+        p = pos_ar_below + grid_high * pos_a_above
+        n = neg_ar_above + dual["ar"] + grid_low * neg_a_below
     else:
-        p = pos_ar_below
-        n = neg_ar_dual.sum() - torch.cumsum(neg_ar_dual, 0)[:-1]
-    return p, n, counts
+        p, n = pos_ar_below, neg_ar_above
+    return p, n, pos["count"], neg["count"], dual["count"]
 
 
 def _search_path(config: BAPOConfig, n_low: int, n_high: int) -> tuple[list[int], list[int]]:
@@ -180,52 +221,55 @@ def search_clip_bounds(
     Returns the bounds the sequential Algorithm 1 (order "paper") or the authors' loop (order
     "reference") would return: the first point of the search path whose positive share rho (Eq. 8,
     measured by `config.measure`) reaches rho0, or the path's last point (saturated bounds,
-    target_met=False). Every grid point is evaluated from histograms built in one pass; `all_reduce`
-    is called exactly once (sum over the ranks of one optimizer step) and the host syncs once.
+    target_met=False). Every grid point is evaluated from histograms built in one pass over the
+    tokens; `all_reduce` is called exactly once (sum over the ranks of one optimizer step) and the
+    host syncs once. The clip fractions, mean ratio and KL come out of the same histograms.
 
-    ratio, advantages, mask: same shape; mask is 0/1 (or a non-negative token weight). advantages may
-    also be per-sequence, broadcastable to ratio. weights: optional per-token multipliers of the loss
-    (importance-sampling correction); used in the measure except in reference order (the authors' code
-    applies them after the search).
+    ratio, advantages, mask: same shape (advantages may be per sequence, broadcastable); mask is 0/1.
+    weights: optional per-token multipliers of the loss (importance-sampling correction); used in the
+    measure in paper order (they scale each token's contribution), ignored in reference order (the
+    authors' code applies them after the search).
     """
+    ratio = ratio.detach()
     if advantages.shape != ratio.shape:
         advantages = advantages.expand_as(ratio)
-    weight = mask.to(torch.float64)
+    advantages = advantages.detach().to(ratio.dtype)
     if weights is not None and config.order == "paper":
-        weight = weight * weights.detach().to(torch.float64)
-    ratio = ratio.detach()
-    bad = (~torch.isfinite(ratio) | ~torch.isfinite(advantages)) & (mask > 0)
-    nonfinite = bad.sum()
-    # Keep NaNs out of the sums in both policies: with "error" the *global* count, reduced with the
-    # statistics, makes every rank raise together instead of one rank raising and the others hanging.
-    weight = torch.where(bad, torch.zeros_like(weight), weight)
-    ratio = torch.where(bad, torch.ones_like(ratio), ratio)
-    advantages = torch.where(bad, torch.zeros_like(advantages), advantages)
-
-    device = ratio.device
-    low_grid = torch.tensor(config.c_low_grid(), dtype=torch.float64, device=device)
-    high_grid = torch.tensor(config.c_high_grid(), dtype=torch.float64, device=device)
-    packed = _reduced_histograms(
-        ratio, advantages, weight, low_grid, high_grid, config.dual_clip, nonfinite, all_reduce
-    )
-    packed = packed.cpu()  # the one host sync
-    p, n, counts = _masses_on_grid(packed, low_grid.cpu(), high_grid.cpu(), config.measure)
-    num_tokens, n_bad = float(counts[0]), int(counts[1])
+        weights = weights.detach().to(ratio.dtype)
+    else:
+        weights = None
+    edges = _edges(config)
+    packed = _token_histograms(ratio, advantages, mask, weights, edges, with_abs_a=config.measure == "value")
+    if all_reduce is not None:
+        packed = all_reduce(packed)
+    hist = packed.cpu().reshape(5, -1)  # the one host sync
+    u = edges.n_bins
+    n_bad = int(hist[0, 2 * u + 1])
     if n_bad and config.nonfinite == "error":
         raise NonFiniteInputError(
-            f"{n_bad} unmasked token(s) have a non-finite importance ratio or advantage (summed over all "
-            "ranks). Check the log-probs and rewards upstream, or set bapo.nonfinite=mask to drop and count them."
+            f"{n_bad} unmasked token(s) have a non-finite importance ratio or advantage (counted over all "
+            "ranks, so every rank raises). Check the log-probs and rewards upstream, or set "
+            "bapo.nonfinite=mask to drop and count them."
         )
+    p, n, pos_count, neg_count, dual_count = _masses_on_grid(hist, edges, config.measure)
 
-    lows, highs = _search_path(config, low_grid.numel(), high_grid.numel())
-    lows_t, highs_t = torch.tensor(lows), torch.tensor(highs)
-    p_path, n_path = p[highs_t], n[lows_t]
+    lows, highs = _search_path(config, len(edges.low), len(edges.high))
+    p_path, n_path = p[torch.tensor(highs)], n[torch.tensor(lows)]
     rho_path = _share(p_path, n_path, config)
     met = rho_path >= (config.rho0 - _RHO_TOLERANCE)
     stop = int(torch.argmax(met.to(torch.int8))) if bool(met.any()) else len(lows) - 1
+    j, i = lows[stop], highs[stop]
+
+    n_pos, n_neg = float(pos_count.sum()), float(neg_count.sum()) + float(dual_count)
+    num_tokens = float(hist[0, : 2 * u + 1].sum())
+    ratio_sum, log_ratio_sum = float(hist[3, : 2 * u + 1].sum()), float(hist[4, : 2 * u + 1].sum())
+
+    def frac(x: float, total: float) -> float:
+        return x / total if total > 0 else 0.0
+
     return ClipSearchResult(
-        c_low=float(low_grid[lows[stop]]),
-        c_high=float(high_grid[highs[stop]]),
+        c_low=edges.low[j],
+        c_high=edges.high[i],
         rho=float(rho_path[stop]),
         rho_initial=float(rho_path[0]),
         target_met=bool(met[stop]),
@@ -234,6 +278,13 @@ def search_clip_bounds(
         negative_mass=float(n_path[stop]),
         num_tokens=num_tokens,
         nonfinite_tokens=n_bad,
+        tokens_pos=n_pos,
+        tokens_neg=n_neg,
+        clipfrac_pos=frac(float(pos_count[i + 1 :].sum()), n_pos),  # buckets past c_high[i]
+        clipfrac_neg=frac(float(neg_count[: j + 1].sum()), n_neg),  # buckets below c_low[j]
+        clipfrac_dual=frac(float(dual_count), n_neg),
+        ratio_mean=frac(ratio_sum, num_tokens),
+        approx_kl=frac(ratio_sum - num_tokens - log_ratio_sum, num_tokens),
     )
 
 
@@ -300,69 +351,23 @@ def bapo_policy_loss(
     optimizer step) and return (token-sum loss / global_num_tokens, metrics).
 
     logprobs [B, T] carries the gradient; old_logprobs [B, T] is the reference the ratio is taken
-    against; advantages [B, T] or [B, 1]; mask [B, T] (0/1). Metrics are global over `all_reduce` for
-    the search statistics and local to this call for the token statistics (clip fractions, KL, ratio).
+    against; advantages [B, T] or [B, 1]; mask [B, T] (0/1). A log-ratio of +-inf is clamped to +-20
+    like any other (that is what the clamp is for); NaN log-probs or advantages are non-finite tokens.
+    Metrics (`bapo/...`) come from the search's histograms: global over `all_reduce`, and over the whole
+    mini-batch when `bounds` comes from a per-step search.
     """
-    advantages = advantages.expand_as(logprobs) if advantages.shape != logprobs.shape else advantages
-    mask = mask.to(logprobs.dtype)
-    bad_logp = (~torch.isfinite(logprobs.detach()) | ~torch.isfinite(old_logprobs)) & (mask > 0)
+    if advantages.shape != logprobs.shape:
+        advantages = advantages.expand_as(logprobs)
     ratio = importance_ratio(logprobs, old_logprobs)
-    # +inf log-probs would be clamped into finite ratios: treat any non-finite log-prob as bad.
-    ratio_for_search = torch.where(bad_logp, torch.full_like(ratio, math.nan), ratio.detach())
     if bounds is None:
-        bounds = search_clip_bounds(ratio_for_search, advantages, mask, config, all_reduce, importance_weights)
-    elif config.nonfinite == "error":
-        n_bad = int((bad_logp | (~torch.isfinite(advantages) & (mask > 0))).sum())
-        if n_bad:
-            raise NonFiniteInputError(
-                f"{n_bad} unmasked token(s) have non-finite log-probs or advantages; "
-                "set bapo.nonfinite=mask to drop and count them."
-            )
-    bad = bad_logp | (~torch.isfinite(advantages) & (mask > 0))
+        bounds = search_clip_bounds(ratio, advantages, mask, config, all_reduce, importance_weights)
+    keep = mask > 0
     if config.nonfinite == "mask":
-        mask = torch.where(bad, torch.zeros_like(mask), mask)
-        advantages = torch.where(bad, torch.zeros_like(advantages), advantages)
-        ratio = torch.where(bad, torch.ones_like(ratio), ratio)
-
+        # With "error" the search has already raised on any non-finite unmasked token.
+        keep = keep & torch.isfinite(ratio.detach() * advantages)
     token_loss = clipped_surrogate(ratio, advantages, bounds.c_low, bounds.c_high, config.dual_clip)
     if importance_weights is not None:
         token_loss = token_loss * importance_weights
-    # torch.where, not a product: a NaN on a masked position must not leak into the sum.
-    loss = torch.where(mask > 0, token_loss * mask, torch.zeros_like(token_loss)).sum() / global_num_tokens
-
-    with torch.no_grad():
-        metrics = bounds.as_metrics()
-        metrics.update(_token_metrics(ratio.detach(), logprobs.detach(), old_logprobs, advantages, mask, bounds, config))
-    return loss, metrics
-
-
-def _token_metrics(ratio, logprobs, old_logprobs, advantages, mask, bounds, config) -> dict[str, float]:
-    """Clip fractions by advantage sign, approx KL (k3) and mean ratio over this call's unmasked tokens."""
-    valid = mask > 0
-    pos, neg = valid & (advantages > 0), valid & (advantages < 0)
-    pos_clipped = pos & (ratio > bounds.c_high)
-    neg_clipped = neg & (ratio < bounds.c_low)
-    dual = neg & (ratio > config.dual_clip) if config.dual_clip is not None else torch.zeros_like(neg)
-    log_ratio = torch.where(valid, torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
-    k3 = torch.exp(-log_ratio) - 1 + log_ratio  # Schulman's unbiased, non-negative KL estimator
-    safe_ratio = torch.where(valid, ratio, torch.zeros_like(ratio))
-    stats = torch.stack(
-        [
-            valid.sum(), pos.sum(), neg.sum(), pos_clipped.sum(), neg_clipped.sum(), dual.sum(),
-            k3.sum(), safe_ratio.sum(),
-        ]
-    ).to(torch.float64).tolist()
-    n_valid, n_pos, n_neg, n_pos_clip, n_neg_clip, n_dual, k3_sum, ratio_sum = stats
-
-    def frac(a: float, b: float) -> float:
-        return a / b if b > 0 else 0.0
-
-    return {
-        "bapo/clipfrac_pos": frac(n_pos_clip, n_pos),
-        "bapo/clipfrac_neg": frac(n_neg_clip, n_neg),
-        "bapo/clipfrac_dual": frac(n_dual, n_neg),
-        "bapo/approx_kl": frac(k3_sum, n_valid),
-        "bapo/ratio_mean": frac(ratio_sum, n_valid),
-        "bapo/tokens_pos": n_pos,
-        "bapo/tokens_neg": n_neg,
-    }
+    # torch.where, not a product with the mask: a NaN on a dropped token must not reach the sum.
+    loss = torch.where(keep, token_loss * mask, torch.zeros_like(token_loss)).sum() / global_num_tokens
+    return loss, bounds.as_metrics()
