@@ -1,0 +1,143 @@
+"""Checkpoints of the embedded trainer (the layout other tools read):
+
+<output_dir>/checkpoints/step_<N>/
+    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json)
+    tokenizer/           HF tokenizer files
+    trainer_state.pt     optimizer, RNG states, step, policy version, warm-up and eval history
+    rollout_state.json   partial-rollout manager (in-flight segments) and replay buffer
+    config.yaml          the resolved run config
+    training_info.json   step, MLflow run id and URI, config hash, BAPO block, model name
+    COMPLETE             written last; a directory without it is partial and ignored
+<output_dir>/checkpoints/latest   name of the newest complete step directory
+
+A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves a
+half-written `step_<N>` that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the directory and what to do."""
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint. `latest` is a hint; the COMPLETE markers are the truth (a crash
+    between the rename and the update of `latest` must not hide the newest checkpoint)."""
+    complete = complete_checkpoints(output_dir)
+    return complete[-1] if complete else None
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model,
+    tokenizer,
+    trainer_state: dict[str, Any],
+    rollout_state: dict[str, Any],
+    config_dict: dict[str, Any],
+    training_info: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    (tmp / "training_info.json").write_text(json.dumps(training_info, indent=2))
+    _fsync_tree(tmp)
+    (tmp / COMPLETE).write_text(f"step {step}\n")
+    if final.exists():  # re-saving a step (e.g. a signal right after a resume): replace it whole
+        old = root / f".old_step_{step}_{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name + "\n")
+    _prune(output_dir, keep_last)
+    return final
+
+
+def load_training_info(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / "training_info.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{ckpt}/training_info.json is unreadable ({exc}); delete {ckpt} to fall back "
+                              "to the previous checkpoint") from None
+
+
+def load_config_dict(ckpt: Path) -> dict[str, Any]:
+    try:
+        return yaml.safe_load((ckpt / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"{ckpt}/config.yaml is unreadable ({exc})") from None
+
+
+def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+    # Our own file: it holds RNG states (numpy/python objects), hence weights_only=False.
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def load_rollout_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / "rollout_state.json").read_text())
+
+
+def _prune(output_dir: str | Path, keep_last: int) -> None:
+    complete = complete_checkpoints(output_dir)
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    # Leftovers of crashed saves of this or earlier processes.
+    for child in checkpoints_dir(output_dir).iterdir():
+        if child.name.startswith((".tmp_step_", ".old_step_")) and not child.name.endswith(f"_{os.getpid()}"):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())

@@ -1,0 +1,139 @@
+"""GRPO with the BAPO loss on rollout groups: group-normalised advantages, the token batch, and the
+optimizer updates (several per rollout batch: the paper's staleness)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bapo_nemo.algorithm import bapo_policy_loss, importance_ratio, search_clip_bounds
+from bapo_nemo.embedded.model import token_logprobs_and_entropy
+from bapo_nemo.rollout import RolloutGroup
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (r - mean(group)) / (std(group) + eps); a group with equal rewards gets zeros."""
+    centred = rewards - rewards.mean()
+    return centred / (rewards.std(unbiased=True) + eps) if rewards.numel() > 1 else centred
+
+
+@dataclass
+class TokenBatch:
+    """Sequences = prompt + response, right-padded. Per-token tensors are [N, S-1]: position t scores token
+    t+1, and `mask` marks response tokens that enter the loss."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    loss_weights: torch.Tensor
+    token_versions: torch.Tensor
+    advantages: torch.Tensor  # [N, 1]
+    rewards: torch.Tensor  # [N]
+    group_index: torch.Tensor  # [N]
+
+    def select(self, rows: list[int]) -> "TokenBatch":
+        idx = torch.tensor(rows, dtype=torch.long)
+        width = int(self.attention_mask[idx].sum(-1).max())  # drop columns that are padding for all rows
+        fields = {}
+        for name, value in self.__dict__.items():
+            value = value[idx]
+            if value.dim() == 2 and value.shape[1] > 1:
+                value = value[:, : width if name in ("input_ids", "attention_mask") else width - 1]
+            fields[name] = value
+        return TokenBatch(**fields)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_batch(groups: list[RolloutGroup], rewards: list[list[float]], pad_token_id: int) -> TokenBatch:
+    rollouts = [r for g in groups for r in g.rollouts]
+    width = max(len(r.prompt_token_ids) + len(r.response_token_ids) for r in rollouts)
+    n = len(rollouts)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask, behavior, weights = torch.zeros((n, width - 1)), torch.zeros((n, width - 1)), torch.zeros((n, width - 1))
+    versions = torch.zeros((n, width - 1), dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        p, m = len(r.prompt_token_ids), len(r.response_token_ids)
+        ids[i, : p + m] = torch.tensor(r.prompt_token_ids + r.response_token_ids)
+        attention[i, : p + m] = 1
+        span = slice(p - 1, p - 1 + m)
+        weights[i, span] = torch.tensor(r.loss_weights, dtype=torch.float32)
+        mask[i, span] = (weights[i, span] > 0).float()  # excluded stale tokens leave the loss entirely
+        behavior[i, span] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
+        versions[i, span] = torch.tensor(r.token_versions, dtype=torch.long)
+    reward_t = torch.tensor([x for rs in rewards for x in rs], dtype=torch.float32)
+    adv = torch.cat([group_advantages(torch.tensor(rs, dtype=torch.float32)) for rs in rewards]).unsqueeze(-1)
+    group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.rollouts])
+    return TokenBatch(ids, attention, mask, behavior, weights, versions, adv, reward_t, group_index)
+
+
+@torch.no_grad()
+def forward_logprobs(model, batch: TokenBatch, micro_batch_size: int) -> torch.Tensor:
+    """Current-policy log-probs of the batch's tokens, without gradient, [N, S-1]."""
+    out = torch.zeros_like(batch.behavior_logprobs)
+    for start in range(0, len(batch), micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, len(batch))))
+        micro = batch.select(rows)
+        lp, _ = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask, with_entropy=False)
+        out[start : start + len(rows), : lp.shape[1]] = lp
+    return out
+
+
+def policy_update(
+    model,
+    optimizer,
+    batch: TokenBatch,
+    old_logprobs: torch.Tensor,
+    importance_weights: torch.Tensor,
+    loss_cfg,
+    micro_batch_size: int,
+    grad_clip: float,
+) -> dict[str, float]:
+    """One optimizer step on `batch` (one mini-batch). The ratio is taken against `old_logprobs`.
+
+    bapo.granularity=step: one bound search over the whole mini-batch, which needs its current log-probs
+    before any backward, so an extra no-grad forward of the mini-batch runs first. microbatch: one search
+    inside each loss call, no extra forward.
+    """
+    bapo = loss_cfg.bapo
+    n_tokens = batch.mask.sum().clamp_min(1.0)
+    bounds = None
+    if bapo.enabled and bapo.granularity == "step":
+        current = forward_logprobs(model, batch, micro_batch_size)
+        ratio = importance_ratio(current, old_logprobs)
+        bounds = search_clip_bounds(ratio, batch.advantages.expand_as(ratio), batch.mask, bapo,
+                                    weights=importance_weights)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    entropy_sum = 0.0
+    for start in range(0, len(batch), micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, len(batch))))
+        micro = batch.select(rows)
+        width = micro.mask.shape[1]
+        lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
+        loss, metrics = bapo_policy_loss(
+            lp, old_logprobs[rows][:, :width], micro.advantages, micro.mask, n_tokens, bapo,
+            bounds=bounds, importance_weights=importance_weights[rows][:, :width],
+        )
+        masked_entropy = (entropy * micro.mask).sum()
+        if loss_cfg.entropy_coef:
+            loss = loss - loss_cfg.entropy_coef * masked_entropy / n_tokens
+        loss.backward()
+        entropy_sum += float(masked_entropy.detach())
+        share = float(micro.mask.sum()) / float(n_tokens)  # token-weighted mean over micro-batches
+        for key, value in metrics.items():
+            if key.startswith("bapo/tokens_"):
+                sums[key] = sums.get(key, 0.0) + value
+            else:
+                sums[key] = sums.get(key, 0.0) + share * value
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    sums["entropy"] = entropy_sum / float(n_tokens)
+    sums["grad_norm"] = float(grad_norm)
+    return sums
