@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from bapo_nemo.tracking.redact import flatten_and_redact, redact
+from bapo_nemo.tracking.redact import flatten_and_redact, redact, redact_nested
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class MlflowTracker:
         if self._run_id is None:
             self._create_run(safe_tags)
             self._load_journal()
+            self._log_resolved_config(params)
         else:
             self._resume_run()
             safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -253,6 +254,16 @@ class MlflowTracker:
                 f"{exc}. Start the tracking server (or use sqlite:///<dir>/mlflow.db) and retry."
             ) from exc
         self._run_id = run.info.run_id
+
+    def _log_resolved_config(self, params: Mapping[str, Any]) -> None:
+        """The resolved config as a YAML artifact (secrets redacted), next to the flattened params."""
+        import yaml  # noqa: PLC0415
+
+        staged = self._staging_dir() / uuid.uuid4().hex / "resolved_config.yaml"
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        plain = json.loads(json.dumps(redact_nested(dict(params)), default=str))  # Paths, enums -> text
+        staged.write_text(yaml.safe_dump(plain, sort_keys=False))
+        self._journal({"kind": "artifact", "path": str(staged), "artifact_path": "config"})
 
     def _resume_run(self) -> None:
         try:

@@ -99,3 +99,22 @@ def flatten(config: Mapping[str, Any], sep: str = ".", prefix: str = "") -> dict
 
 def flatten_and_redact(config: Mapping[str, Any]) -> dict[str, str]:
     return redact(flatten(config))
+
+
+def redact_nested(config: Any) -> Any:
+    """A copy of a nested config with secret values redacted (for config files logged as artifacts)."""
+    if hasattr(config, "model_dump"):
+        config = config.model_dump()
+    if isinstance(config, Mapping):
+        out = {}
+        for key, value in config.items():
+            if is_secret_key(str(key)) and not isinstance(value, Mapping) and value not in (None, ""):
+                out[key] = REDACTED
+            else:
+                out[key] = redact_nested(value)
+        return out
+    if isinstance(config, (list, tuple)):
+        return [redact_nested(v) for v in config]
+    if isinstance(config, str):
+        return redact_value(config)
+    return config

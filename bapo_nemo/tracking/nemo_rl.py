@@ -1,0 +1,238 @@
+"""MLflow for NeMo-RL v0.7.0 runs, through NeMo-RL's own ``MLflowLogger`` (nemo_rl/utils/logger.py).
+
+A driver calls, around ``nemo_rl.algorithms.grpo.setup``::
+
+    config = prepare_logger_config(config)          # before setup(): turns MLflow on, resumes the run id
+    (policy, ..., logger, ...) = setup(MasterConfig(**config), ...)
+    after_setup(config, logger)                      # after setup(): our tags, params, artifacts
+
+What each step adds to v0.7.0's logger:
+
+- ``logger.mlflow.tracking_uri`` defaults to ``sqlite:///<logger.log_dir>/mlflow.db``; a plain file store
+  is refused (NeMo-RL's metric names contain ``/``).
+- The run id is kept in ``<checkpointing.checkpoint_dir>/mlflow_run.json``; when that directory holds a
+  checkpoint, the run id is put into ``logger.mlflow.run_id`` so a restarted job continues the same run.
+- Secrets in the config never reach MLflow: NeMo-RL logs the whole config with ``log_hyperparams``, so
+  that method is wrapped to redact values first.
+- After setup, the logger's ``log_metrics``/``log_plot`` go through :class:`MlflowTracker`'s journal, so an
+  MLflow outage no longer stops training (v0.7.0 calls ``mlflow.log_metrics`` directly, which raises).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bapo_nemo.tracking.mlflow_tracker import (
+    HTTP_ENV_DEFAULTS,
+    MlflowTracker,
+    TrackingConfigError,
+    _is_remote,
+    _sqlite_artifact_root,
+    check_tracking_uri,
+)
+from bapo_nemo.tracking.redact import redact_nested
+from bapo_nemo.tracking.tags import default_tags
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "mlflow_run.json"
+DEFAULT_EXPERIMENT = "bapo-nemo"
+
+
+def _as_dict(master_config: Any) -> dict:
+    if hasattr(master_config, "model_dump"):  # v0.7.0's MasterConfig is pydantic
+        return master_config.model_dump()
+    if not isinstance(master_config, Mapping):
+        raise TypeError(f"master_config must be a dict (or NeMo-RL MasterConfig), got {type(master_config).__name__}")
+    return dict(master_config)
+
+
+def _checkpoint_dir(config: Mapping) -> Path | None:
+    ckpt = config.get("checkpointing") or {}
+    if not ckpt.get("enabled", True) or not ckpt.get("checkpoint_dir"):
+        return None
+    return Path(ckpt["checkpoint_dir"])
+
+
+def _has_checkpoint(checkpoint_dir: Path) -> bool:
+    return checkpoint_dir.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in checkpoint_dir.iterdir())
+
+
+def read_saved_run(checkpoint_dir: str | Path) -> dict | None:
+    path = Path(checkpoint_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TrackingConfigError(f"{path} is not valid JSON ({exc}); delete it to start a new MLflow run") from exc
+    if not saved.get("run_id"):
+        raise TrackingConfigError(f"{path} has no run_id; delete it to start a new MLflow run")
+    return saved
+
+
+def prepare_logger_config(master_config: dict) -> dict:
+    """Return a copy of ``master_config`` with v0.7.0's MLflow logger turned on and configured."""
+    config = copy.deepcopy(_as_dict(master_config))
+    logger_cfg = config.get("logger")
+    if not isinstance(logger_cfg, Mapping):
+        raise TrackingConfigError("config has no 'logger:' section: NeMo-RL's GRPO configs need logger.log_dir etc.")
+    logger_cfg = dict(logger_cfg)
+    log_dir = logger_cfg.get("log_dir") or "logs"
+    mlflow_cfg = dict(logger_cfg.get("mlflow") or {})
+
+    uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        uri = f"sqlite:///{Path(log_dir).resolve() / 'mlflow.db'}"
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        check_tracking_uri(uri)
+    except TrackingConfigError as exc:
+        raise TrackingConfigError(f"logger.mlflow.tracking_uri: {exc}") from exc
+    mlflow_cfg["tracking_uri"] = uri
+    mlflow_cfg["experiment_name"] = mlflow_cfg.get("experiment_name") or DEFAULT_EXPERIMENT
+    if not mlflow_cfg.get("run_name"):
+        checkpoint_dir = _checkpoint_dir(config)
+        mlflow_cfg["run_name"] = checkpoint_dir.name if checkpoint_dir else None
+    if not mlflow_cfg.get("artifact_location"):
+        # v0.7.0 falls back to the driver's log_dir, which with a server strands artifacts on one node.
+        if _is_remote(uri):
+            mlflow_cfg["artifact_location"] = f"mlflow-artifacts:/{mlflow_cfg['experiment_name']}"
+        else:
+            mlflow_cfg["artifact_location"] = _sqlite_artifact_root(uri, mlflow_cfg["experiment_name"])
+
+    checkpoint_dir = _checkpoint_dir(config)
+    if not mlflow_cfg.get("run_id") and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
+        saved = read_saved_run(checkpoint_dir)
+        if saved is not None:
+            if saved.get("tracking_uri") not in (None, uri):
+                log.warning("%s: run %s was tracked at %s, now %s; resuming the id anyway",
+                            checkpoint_dir / RUN_FILE, saved["run_id"], saved["tracking_uri"], uri)
+            mlflow_cfg["run_id"] = saved["run_id"]
+    logger_cfg["mlflow_enabled"] = True
+    logger_cfg["mlflow"] = mlflow_cfg
+    config["logger"] = logger_cfg
+
+    if _is_remote(uri):
+        for var, value in HTTP_ENV_DEFAULTS.items():
+            os.environ.setdefault(var, value)
+    _redact_nemo_rl_hyperparams()
+    return config
+
+
+def _redact_nemo_rl_hyperparams() -> None:
+    """Wrap v0.7.0's ``MLflowLogger.log_hyperparams`` so the config it logs has secrets redacted."""
+    try:
+        from nemo_rl.utils import logger as nemo_logger_module  # noqa: PLC0415
+    except (ImportError, RuntimeError):  # not in the container (RuntimeError: transformer-engine without CUDA)
+        return
+    cls = nemo_logger_module.MLflowLogger
+    if getattr(cls.log_hyperparams, "_bapo_redacting", False):
+        return
+    original = cls.log_hyperparams
+
+    def log_hyperparams(self, params):
+        return original(self, redact_nested(params))
+
+    log_hyperparams._bapo_redacting = True
+    cls.log_hyperparams = log_hyperparams
+
+
+def find_mlflow_logger(nemo_logger: Any) -> Any:
+    """The ``MLflowLogger`` among ``nemo_rl.utils.logger.Logger.loggers``."""
+    for backend in getattr(nemo_logger, "loggers", []):
+        if type(backend).__name__.endswith("MLflowLogger") and hasattr(backend, "run_id"):
+            return backend
+    raise TrackingConfigError(
+        "NeMo-RL logger has no MLflowLogger: call prepare_logger_config(config) before grpo.setup(...) "
+        "(it sets logger.mlflow_enabled: true)"
+    )
+
+
+def after_setup(master_config: dict, nemo_logger) -> None:
+    """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
+    route the logger's metrics through the outage-proof journal."""
+    config = _as_dict(master_config)
+    mlflow_cfg = config["logger"]["mlflow"]
+    backend = find_mlflow_logger(nemo_logger)
+    run_id = backend.run_id
+    log_dir = Path(config["logger"].get("log_dir") or "logs")
+    tracker = MlflowTracker(mlflow_cfg["tracking_uri"], mlflow_cfg["experiment_name"], run_id=run_id,
+                            buffer_dir=log_dir / "mlflow_buffer")
+    bapo_block = (config.get("loss_fn") or {}).get("bapo")
+    tags = {**default_tags(config), "bapo.runtime": "nemo_rl", "bapo.enabled": str(bool(bapo_block and
+            bapo_block.get("enabled", True))).lower()}
+    # NeMo-RL already logged the (now redacted) config as params; ours only adds keys it did not write.
+    tracker.start({"bapo": bapo_block} if bapo_block else {}, tags)
+    _log_config_artifact(tracker, config, log_dir)
+
+    checkpoint_dir = _checkpoint_dir(config)
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoint_dir / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_cfg["tracking_uri"],
+                                   "experiment_name": mlflow_cfg["experiment_name"]}, indent=2))
+        os.replace(tmp, checkpoint_dir / RUN_FILE)
+    _journal_logger_metrics(backend, tracker)
+
+
+def _log_config_artifact(tracker: MlflowTracker, config: dict, log_dir: Path) -> None:
+    import yaml  # noqa: PLC0415
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / "resolved_config.yaml"
+    plain = json.loads(json.dumps(redact_nested(config), default=str))
+    path.write_text(yaml.safe_dump(plain, sort_keys=False))
+    tracker.log_artifact(path, artifact_path="config")
+
+
+def _journal_logger_metrics(backend: Any, tracker: MlflowTracker) -> None:
+    """Replace the backend's ``log_metrics``/``log_plot`` (instance attributes only) with journaled ones that
+    name metrics exactly as v0.7.0 does (same flattening helpers from the backend's own module)."""
+    module = sys.modules.get(type(backend).__module__)
+    flatten_dict = getattr(module, "flatten_dict", _flatten_slash)
+    merge_workers = getattr(module, "_merge_generation_logger_workers", lambda m: m)
+    summarize_list = getattr(module, "_summarize_list", None)
+
+    def log_metrics(metrics, step, prefix="", step_metric=None, step_finished=False):
+        metrics = merge_workers(metrics)
+        out: dict[str, float] = {}
+        for name, value in flatten_dict(metrics, sep="/", expand_lists=False).items():
+            name = f"{prefix}/{name}" if prefix else name
+            if isinstance(value, list):
+                if summarize_list is not None:
+                    for suffix, stat in summarize_list(value).items():
+                        out[f"{name}/{suffix}"] = float(stat)
+            else:
+                try:
+                    out[name] = float(value)
+                except (TypeError, ValueError):
+                    log.debug("skipping non-numeric metric %s=%r", name, value)
+        if out:
+            tracker.log_metrics(out, step=step)
+
+    def log_plot(figure, step, name):
+        tracker.log_figure(figure, f"plots/{name}.png")
+
+    backend.log_metrics = log_metrics
+    backend.log_plot = log_plot
+    backend._bapo_tracker = tracker
+
+
+def _flatten_slash(metrics: Mapping, sep: str = "/", expand_lists: bool = False, prefix: str = "") -> dict:
+    """Fallback with v0.7.0's naming (nested keys joined by '/') when the backend module has no flatten_dict."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(_flatten_slash(value, sep, expand_lists, name))
+        else:
+            out[name] = value.tolist() if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0 else value
+    return out

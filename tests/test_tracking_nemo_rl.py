@@ -1,0 +1,165 @@
+"""NeMo-RL side of tracking: `prepare_logger_config` on plain dicts shaped like v0.7.0's GRPO config, and
+`after_setup` against a real MLflow sqlite store. NeMo-RL itself cannot be imported here, so the CPU test
+stands in for v0.7.0's `Logger`/`MLflowLogger` with a minimal object that does what `MLflowLogger.__init__`
+does (create a run, expose `run_id`); the `nemo_rl`-marked test uses the real classes in the container."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError
+from bapo_nemo.tracking.nemo_rl import RUN_FILE, after_setup, prepare_logger_config
+from bapo_nemo.tracking.redact import REDACTED
+
+
+def v070_config(tmp_path: Path, **mlflow) -> dict:
+    """The parts of examples/configs/grpo_math_1B.yaml (v0.7.0) that tracking reads."""
+    return {
+        "grpo": {"num_prompts_per_step": 32, "max_num_steps": 1000000},
+        "loss_fn": {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "bapo": {"enabled": True, "rho0": 0.4}},
+        "policy": {"model_name": "Qwen/Qwen2.5-1.5B", "hf_config_overrides": {}},
+        "env": {"math": {"num_workers": 8, "judge_api_key": "sk-abcdefghijklmnopqrstuvwxyz123456"}},
+        "checkpointing": {"enabled": True, "checkpoint_dir": str(tmp_path / "results" / "grpo"), "save_period": 10},
+        "logger": {
+            "log_dir": str(tmp_path / "logs"), "num_val_samples_to_print": 0, "wandb_enabled": False,
+            "tensorboard_enabled": False, "mlflow_enabled": False, "swanlab_enabled": False,
+            "monitor_gpus": False, "wandb": {"project": "grpo-dev", "name": "grpo-dev-logger"},
+            "tensorboard": {}, "mlflow": {"experiment_name": "grpo-dev", "run_name": "grpo-dev-logger", **mlflow},
+            "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10},
+        },
+    }
+
+
+def test_defaults_to_sqlite_under_log_dir_and_does_not_touch_input(tmp_path):
+    config = v070_config(tmp_path)
+    out = prepare_logger_config(config)
+    assert config["logger"]["mlflow_enabled"] is False  # input untouched
+    ml = out["logger"]["mlflow"]
+    assert out["logger"]["mlflow_enabled"] is True
+    assert ml["tracking_uri"] == f"sqlite:///{(tmp_path / 'logs').resolve() / 'mlflow.db'}"
+    assert ml["experiment_name"] == "grpo-dev" and ml["run_name"] == "grpo-dev-logger"
+    assert ml["artifact_location"] == (tmp_path / "logs" / "mlartifacts" / "grpo-dev").resolve().as_uri()
+    assert "run_id" not in ml or ml["run_id"] is None
+    assert out["loss_fn"] == config["loss_fn"]  # everything else as it was
+
+
+def test_server_uri_routes_artifacts_through_the_server(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    out = prepare_logger_config(v070_config(tmp_path, tracking_uri="http://mlflow.internal:5000", run_name=None))
+    ml = out["logger"]["mlflow"]
+    assert ml["artifact_location"] == "mlflow-artifacts:/grpo-dev"
+    assert ml["run_name"] == "grpo"  # the checkpoint dir's name
+    import os
+
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+
+
+@pytest.mark.parametrize("uri", ["/shared/mlruns", "file:///shared/mlruns"])
+def test_file_store_is_refused_naming_the_key(tmp_path, uri):
+    with pytest.raises(TrackingConfigError, match=r"logger\.mlflow\.tracking_uri.*sqlite:///"):
+        prepare_logger_config(v070_config(tmp_path, tracking_uri=uri))
+
+
+def test_run_id_resumed_only_when_the_checkpoint_dir_holds_a_checkpoint(tmp_path):
+    config = v070_config(tmp_path)
+    ckpt = Path(config["checkpointing"]["checkpoint_dir"])
+    ckpt.mkdir(parents=True)
+    (ckpt / RUN_FILE).write_text(json.dumps({"run_id": "abc123", "tracking_uri": "sqlite:///elsewhere.db"}))
+    # the run file alone (the job died before its first checkpoint) starts a new run: NeMo-RL restarts at step 0
+    assert not prepare_logger_config(config)["logger"]["mlflow"].get("run_id")
+    (ckpt / "step_10").mkdir()
+    assert prepare_logger_config(config)["logger"]["mlflow"]["run_id"] == "abc123"
+    # an explicit run id in the config wins
+    config["logger"]["mlflow"]["run_id"] = "explicit"
+    assert prepare_logger_config(config)["logger"]["mlflow"]["run_id"] == "explicit"
+    (ckpt / RUN_FILE).write_text("{broken")
+    config["logger"]["mlflow"]["run_id"] = None
+    with pytest.raises(TrackingConfigError, match="mlflow_run.json is not valid JSON"):
+        prepare_logger_config(config)
+
+
+def test_missing_logger_section_is_a_clear_error():
+    with pytest.raises(TrackingConfigError, match="no 'logger:' section"):
+        prepare_logger_config({"grpo": {}})
+
+
+class StandInMLflowLogger:
+    """Does what v0.7.0's MLflowLogger.__init__ does with a run_id-less config: create a run, keep its id."""
+
+    def __init__(self, cfg: dict):
+        client = MlflowClient(cfg["tracking_uri"])
+        exp = client.get_experiment_by_name(cfg["experiment_name"])
+        exp_id = exp.experiment_id if exp else client.create_experiment(cfg["experiment_name"],
+                                                                         artifact_location=cfg["artifact_location"])
+        self.run_id = client.create_run(exp_id, run_name=cfg["run_name"]).info.run_id
+
+
+class StandInLogger:
+    def __init__(self, cfg: dict):
+        self.loggers = [StandInMLflowLogger(cfg["mlflow"])]
+
+
+def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
+    config = prepare_logger_config(v070_config(tmp_path))
+    nemo_logger = StandInLogger(config["logger"])
+    after_setup(config, nemo_logger)
+    backend = nemo_logger.loggers[0]
+    run_id = backend.run_id
+    saved = json.loads((Path(config["checkpointing"]["checkpoint_dir"]) / RUN_FILE).read_text())
+    assert saved["run_id"] == run_id and saved["tracking_uri"] == config["logger"]["mlflow"]["tracking_uri"]
+
+    # the logger's own call shape in grpo_train: nested dicts, numpy scalars, a prefix
+    backend.log_metrics({"reward": np.float32(0.5), "bapo": {"c_high": 1.35}, "note": "text"}, 7, prefix="train")
+    client = MlflowClient(config["logger"]["mlflow"]["tracking_uri"])
+    run = client.get_run(run_id)
+    assert run.data.metrics == {"train/reward": 0.5, "train/bapo/c_high": 1.35}
+    assert [m.step for m in client.get_metric_history(run_id, "train/reward")] == [7]
+    assert run.data.tags["bapo.runtime"] == "nemo_rl" and run.data.tags["bapo.enabled"] == "true"
+    assert run.data.params["bapo.rho0"] == "0.4"
+    config_file = Path(client.download_artifacts(run_id, "config/resolved_config.yaml", str(tmp_path / "dl")))
+    logged = yaml.safe_load(config_file.read_text())
+    assert logged["env"]["math"]["judge_api_key"] == REDACTED
+    assert logged["env"]["math"]["num_workers"] == 8
+
+    # a restarted job with a checkpoint resumes the same run id
+    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_10").mkdir()
+    again = prepare_logger_config(v070_config(tmp_path))
+    assert again["logger"]["mlflow"]["run_id"] == run_id
+
+
+def test_after_setup_without_mlflow_backend_says_what_to_do(tmp_path):
+    class NoBackends:
+        loggers: list = []
+
+    config = prepare_logger_config(v070_config(tmp_path))
+    with pytest.raises(TrackingConfigError, match="call prepare_logger_config"):
+        after_setup(config, NoBackends())
+
+
+@pytest.mark.nemo_rl
+def test_real_v070_mlflow_logger_redacts_resumes_and_journals(tmp_path):
+    """Inside nvcr.io/nvidia/nemo-rl:v0.7.0: the real Logger/MLflowLogger with our configuration."""
+    import mlflow
+    from nemo_rl.utils.logger import Logger
+
+    config = prepare_logger_config(v070_config(tmp_path))
+    nemo_logger = Logger(config["logger"])
+    nemo_logger.log_hyperparams(config)
+    after_setup(config, nemo_logger)
+    nemo_logger.log_metrics({"reward": 1.0, "approx_entropy": 0.3}, step=1, prefix="train")
+    run_id = json.loads((Path(config["checkpointing"]["checkpoint_dir"]) / RUN_FILE).read_text())["run_id"]
+    client = MlflowClient(config["logger"]["mlflow"]["tracking_uri"])
+    run = client.get_run(run_id)
+    assert run.data.params["env.math.judge_api_key"] == REDACTED
+    assert run.data.metrics["train/reward"] == 1.0
+    mlflow.end_run()
+    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_1").mkdir()
+    resumed = Logger(prepare_logger_config(v070_config(tmp_path))["logger"])
+    assert resumed.loggers[-1].run_id == run_id
+    mlflow.end_run()
