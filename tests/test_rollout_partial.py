@@ -104,17 +104,36 @@ def test_resumption_cap_finishes_response_as_truncated():
     assert manager.stats(1)["rollout/truncated_fraction"] == 1.0
 
 
-def test_max_response_tokens_shrinks_the_last_segment():
+def test_max_response_tokens_cuts_the_last_segment():
     cfg = PartialRolloutConfig(token_budget=3, max_resumptions=10, max_response_tokens=5)
     manager = PartialRolloutManager(cfg, group_size=1)
     gen = CountdownGenerator()
     manager.add_prompts([_prompt("a", 20)])
     manager.run_iteration(gen.bind(0), 0)
     (group,) = manager.run_iteration(gen.bind(1), 1)
-    # 3 tokens, then only 5 - 3 = 2 are allowed
+    # 3 tokens, then only 5 - 3 = 2 are asked for
     assert [n for _, _, n in gen.calls] == [3, 2]
-    assert group.rollouts[0].segment_lengths == [3, 2]
-    assert group.rollouts[0].meta["finish_reason"] == "max_response_tokens"
+    r = group.rollouts[0]
+    assert r.segment_lengths == [3, 2] and r.response_token_ids == [1000, 1001, 1002, 1003, 1004]
+    assert r.meta["finish_reason"] == "max_response_tokens"
+
+
+def test_per_prompt_cap_applies_with_the_config_cap():
+    cfg = PartialRolloutConfig(token_budget=4, max_response_tokens=9)
+    manager = PartialRolloutManager(cfg, group_size=1)
+    gen = CountdownGenerator()
+    # prompt caps 6 and 20 (config 9 wins for the second): 4+2 and 4+4+1
+    manager.add_prompts(
+        [PromptItem("short", [30, 0], max_response_tokens=6), PromptItem("long", [30, 0], max_response_tokens=20)]
+    )
+    groups = [g for v in range(3) for g in manager.run_iteration(gen.bind(v), v)]
+    lengths = {g.prompt_id: g.rollouts[0].segment_lengths for g in groups}
+    assert lengths == {"short": [4, 2], "long": [4, 4, 1]}
+    # one batched call per iteration, sized for the roomiest response: at iteration 1 "short" (room 2)
+    # and "long" (room 4) share a call of 4 and "short" keeps 2 of its 4 tokens; then "long" alone, room 1
+    assert [(len(ctxs), n) for _, ctxs, n in gen.calls] == [(2, 4), (2, 4), (1, 1)]
+    with pytest.raises(ValueError, match="max_response_tokens must be an int >= 1"):
+        manager.add_prompts([PromptItem("bad", [1], max_response_tokens=0)])
 
 
 def test_only_complete_groups_leave():

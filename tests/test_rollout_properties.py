@@ -55,7 +55,7 @@ def test_partial_rollout_invariants(cfg, group_size, n_prompts, seed):
     groups, handed_at, policy = _drain(cfg, group_size, n_prompts, seed)
     # every prompt handed out exactly once, as a complete group
     assert sorted(g.prompt_id for g in groups) == sorted(f"p{i}" for i in range(n_prompts))
-    chunks_used: Counter = Counter()
+    used = []  # (version, context, tokens, logprobs, cut at the length cap?) of every segment handed out
     for group, v_out in zip(groups, handed_at):
         assert len(group.rollouts) == group_size
         for r in group.rollouts:
@@ -73,21 +73,34 @@ def test_partial_rollout_invariants(cfg, group_size, n_prompts, seed):
                 assert r.response_token_ids[-1] == policy.eos_id
             for w, t in zip(r.loss_weights, r.token_versions):
                 assert w == cfg.stale_weight(v_out - t)
-            # segment k was produced from context prompt + segments < k, by one logged generator call
             start = 0
-            for seg_len in r.segment_lengths:
-                ctx = tuple(r.prompt_token_ids + r.response_token_ids[:start])
+            for k, seg_len in enumerate(r.segment_lengths):
                 seg = slice(start, start + seg_len)
-                key = (r.token_versions[start] if seg_len else None, ctx,
-                       tuple(r.response_token_ids[seg]), tuple(r.behavior_logprobs[seg]))
-                chunks_used[key] += 1
-                assert len(set(r.token_versions[seg])) <= 1  # one version per segment
+                assert len(set(r.token_versions[seg])) == 1  # one policy version per segment
+                last = k == r.num_segments - 1
+                used.append((r.token_versions[start], tuple(r.prompt_token_ids + r.response_token_ids[:start]),
+                             r.response_token_ids[seg], r.behavior_logprobs[seg],
+                             last and r.meta["finish_reason"] == "max_response_tokens"))
                 start += seg_len
-    # no chunk lost or used twice: the multiset of segments equals the multiset of generator outputs
-    produced = Counter()
-    for version, ctx, tokens, logprobs, _ in policy.log:
-        produced[(version if tokens else None, ctx, tuple(tokens), tuple(logprobs))] += 1
-    assert chunks_used == produced
+    # Every generator output is used by exactly one segment, in full: segment k of a response came from
+    # the context prompt + segments < k. Only a segment that hit the length cap may keep a prefix.
+    produced = [(v, ctx, toks, lps) for v, ctx, toks, lps, _ in policy.log]
+    assert len(used) == len(produced)
+    remaining = Counter((v, ctx, tuple(t), tuple(lp)) for v, ctx, t, lp in produced)
+    prefix_cut = []
+    for v, ctx, toks, lps, at_cap in used:
+        key = (v, ctx, tuple(toks), tuple(lps))
+        if remaining[key]:
+            remaining[key] -= 1
+        else:
+            assert at_cap, "a segment that is not a generator output and not cut at the cap"
+            prefix_cut.append((v, ctx, toks, lps))
+    leftovers = list((+remaining).elements())
+    assert len(leftovers) == len(prefix_cut)
+    for v, ctx, toks, lps in prefix_cut:  # each cut segment is a strict prefix of one leftover output
+        match = next(o for o in leftovers if o[:2] == (v, ctx) and list(o[2][: len(toks)]) == toks
+                     and list(o[3][: len(lps)]) == lps and len(o[2]) > len(toks))
+        leftovers.remove(match)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -59,6 +59,7 @@ class _GroupState(BaseModel):
     prompt_id: str
     prompt_token_ids: list[int]
     meta: dict
+    max_response_tokens: int | None = None  # the prompt's own cap (PromptItem.max_response_tokens)
     admitted_version: int | None = None
     sequences: list[_SequenceState] = Field(default_factory=list)
 
@@ -129,6 +130,9 @@ class PartialRolloutManager:
             tokens = list(prompt.token_ids)
             if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise ValueError(f"{where}: token_ids must be a non-empty list of ints")
+            cap = prompt.max_response_tokens
+            if cap is not None and (not isinstance(cap, int) or cap < 1):
+                raise ValueError(f"{where}: max_response_tokens must be an int >= 1 or None, got {cap!r}")
             try:
                 meta = json.loads(json.dumps(prompt.meta))
             except (TypeError, ValueError) as exc:
@@ -141,6 +145,7 @@ class PartialRolloutManager:
                     prompt_id=str(prompt.prompt_id),
                     prompt_token_ids=tokens,
                     meta=meta,
+                    max_response_tokens=cap,
                 )
             )
             self._state.next_order += 1
@@ -286,36 +291,44 @@ class PartialRolloutManager:
             todo = todo[: self.config.global_token_budget // self.config.token_budget]
         return todo
 
-    def _max_new_tokens(self, seq: _SequenceState) -> int:
+    def _response_cap(self, group: _GroupState) -> int | None:
+        caps = [c for c in (self.config.max_response_tokens, group.max_response_tokens) if c is not None]
+        return min(caps) if caps else None
+
+    def _allowance(self, group: _GroupState, seq: _SequenceState) -> int:
+        cap = self._response_cap(group)
         budget = self.config.token_budget
-        if self.config.max_response_tokens is not None:
-            budget = min(budget, self.config.max_response_tokens - len(seq.response_token_ids))
-        return budget
+        return budget if cap is None else min(budget, cap - len(seq.response_token_ids))
 
     def _generate_segments(
         self, generate_fn: GenerateFn, scheduled: list[tuple[_GroupState, int]], policy_version: int
     ) -> int:
-        # One generate_fn call per distinct allowance (responses near max_response_tokens get less).
-        by_allowance: dict[int, list[tuple[_GroupState, int]]] = {}
-        for group, i in scheduled:
-            by_allowance.setdefault(self._max_new_tokens(group.sequences[i]), []).append((group, i))
+        """One generate_fn call for all scheduled responses (one batch for the inference engine). A
+        response closer to its length cap than `token_budget` keeps only the tokens it has room for; it
+        then ends there as truncated, so the tokens cut off would never have been trained on."""
+        if not scheduled:
+            return 0
+        allowances = [self._allowance(g, g.sequences[i]) for g, i in scheduled]
+        max_new = max(allowances)
+        contexts = [g.prompt_token_ids + g.sequences[i].response_token_ids for g, i in scheduled]
+        chunks = generate_fn(contexts, max_new)
+        _check_chunks(chunks, len(contexts), max_new)
         produced = 0
-        for max_new, items in by_allowance.items():
-            contexts = [g.prompt_token_ids + g.sequences[i].response_token_ids for g, i in items]
-            chunks = generate_fn(contexts, max_new)
-            _check_chunks(chunks, len(contexts), max_new)
-            for (group, i), chunk in zip(items, chunks):
-                self._append_segment(group.sequences[i], chunk, policy_version)
-                produced += len(chunk.token_ids)
+        for (group, i), chunk, allowance in zip(scheduled, chunks, allowances):
+            if len(chunk.token_ids) > allowance:
+                chunk = GenerationChunk(chunk.token_ids[:allowance], chunk.logprobs[:allowance], finished=False)
+            self._append_segment(group.sequences[i], chunk, policy_version, self._response_cap(group))
+            produced += len(chunk.token_ids)
         return produced
 
-    def _append_segment(self, seq: _SequenceState, chunk: GenerationChunk, policy_version: int) -> None:
+    def _append_segment(
+        self, seq: _SequenceState, chunk: GenerationChunk, policy_version: int, cap: int | None
+    ) -> None:
         n = len(chunk.token_ids)
         seq.response_token_ids.extend(int(t) for t in chunk.token_ids)
         seq.behavior_logprobs.extend(float(x) for x in chunk.logprobs)
         seq.token_versions.extend([policy_version] * n)
         seq.segment_lengths.append(n)
-        cap = self.config.max_response_tokens
         if chunk.finished:
             seq.finish_reason = "stop"
         elif cap is not None and len(seq.response_token_ids) >= cap:

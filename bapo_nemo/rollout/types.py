@@ -10,11 +10,14 @@ from typing import Callable
 @dataclass
 class PromptItem:
     """One prompt to roll out `group_size` times. `meta` travels with every rollout of the prompt (e.g.
-    the reference answer for the reward function) and must be JSON-serialisable (it is checkpointed)."""
+    the reference answer for the reward function) and must be JSON-serialisable (it is checkpointed).
+    `max_response_tokens` optionally caps this prompt's responses below the config's cap (e.g. what is
+    left of the context window after a long prompt)."""
 
     prompt_id: str
     token_ids: list[int]
     meta: dict = field(default_factory=dict)
+    max_response_tokens: int | None = None
 
 
 @dataclass
