@@ -116,35 +116,34 @@ def _share(p: torch.Tensor, n: torch.Tensor, config: BAPOConfig) -> torch.Tensor
 
 def _token_histograms(ratio, advantages, mask, weights, edges: _Edges, with_abs_a: bool) -> torch.Tensor:
     """The only pass over the tokens. Each token gets a bin code:
-    [0, U) positive tokens by bucket, [U, 2U) negative tokens by bucket, 2U zero advantage,
-    2U+1 non-finite, 2U+2 masked. Per bin: token count, sum |A| r, sum |A| (value measure only),
-    sum r and sum log r (for the ratio and KL metrics), all in float64.
+    [0, U) positive tokens by bucket, [U, 2U) negative tokens by bucket, 2U zero advantage, 2U+1 masked.
+    Per bin, in float64: token count, sum |A| r, sum |A| (value measure only), sum r and sum log r (for
+    the ratio and KL metrics). A NaN/inf ratio or advantage makes its bin's sums non-finite, which the
+    caller detects on the host without a separate pass over the tokens.
     """
     u = edges.n_bins
-    r = ratio.reshape(-1)
-    a = advantages.reshape(-1)
-    ar = r * a
+    n_bins = 2 * u + 2
+    r, a = ratio.reshape(-1), advantages.reshape(-1)
     bucket = torch.searchsorted(torch.tensor(edges.values, dtype=r.dtype, device=r.device), r)
-    code = torch.where(a > 0, bucket, bucket + u)
-    code = torch.where(a == 0, 2 * u, code)
-    code = torch.where(torch.isfinite(ar), code, 2 * u + 1)
-    code = torch.where(mask.reshape(-1) > 0, code, 2 * u + 2)
-    n = 2 * u + 3
-    abs_ar, abs_a = ar.abs(), a.abs()
+    code = torch.where(a > 0, bucket, torch.where(a < 0, bucket + u, 2 * u))
+    code.masked_fill_(mask.reshape(-1) <= 0, 2 * u + 1)
+    abs_ar = (r * a).abs_()
+    abs_a = a.abs() if with_abs_a else None
     if weights is not None:
         w = weights.reshape(-1)
-        abs_ar, abs_a = abs_ar * w, abs_a * w
-    parts = [
-        torch.bincount(code, minlength=n).to(torch.float64),
-        torch.bincount(code, weights=abs_ar.to(torch.float64), minlength=n),
-        torch.bincount(code, weights=abs_a.to(torch.float64), minlength=n) if with_abs_a else None,
-        torch.bincount(code, weights=r.to(torch.float64), minlength=n),
-        torch.bincount(code, weights=torch.log(r).to(torch.float64), minlength=n),
-    ]
-    # Non-finite values sit in their own bin; zero it so a NaN cannot reach the collective.
-    packed = torch.stack([x if x is not None else torch.zeros_like(parts[0]) for x in parts])
-    packed[1:, 2 * u + 1] = 0.0
-    return packed.reshape(-1)
+        abs_ar = abs_ar * w
+        abs_a = abs_a * w if abs_a is not None else None
+    hist = torch.zeros(5, n_bins, dtype=torch.float64, device=r.device)
+    # scatter_add_, not bincount: bincount validates its input with two extra passes.
+    hist[0].scatter_add_(0, code, torch.ones((), dtype=torch.float64, device=r.device).expand(code.shape))
+    hist[1].scatter_add_(0, code, abs_ar.to(torch.float64))
+    if abs_a is not None:
+        hist[2].scatter_add_(0, code, abs_a.to(torch.float64))
+    hist[3].scatter_add_(0, code, r.to(torch.float64))
+    # A zero ratio is legal (log -> -inf): floor it so that only NaN/inf inputs read as non-finite.
+    hist[4].scatter_add_(0, code, torch.log(r).clamp_min_(-100.0).to(torch.float64))
+    hist[1:, 2 * u + 1] = 0.0  # masked tokens: whatever their values, keep them out of the collective
+    return hist.reshape(-1)
 
 
 def _masses_on_grid(hist: torch.Tensor, edges: _Edges, measure: str):
@@ -238,18 +237,28 @@ def search_clip_bounds(
         weights = weights.detach().to(ratio.dtype)
     else:
         weights = None
+    n_bad_local = None
+    if config.nonfinite == "mask":
+        bad = ~torch.isfinite(ratio * advantages) & (mask > 0)
+        n_bad_local = bad.sum()
+        mask = torch.where(bad, torch.zeros_like(mask), mask)
     edges = _edges(config)
     packed = _token_histograms(ratio, advantages, mask, weights, edges, with_abs_a=config.measure == "value")
+    if n_bad_local is not None:
+        packed = torch.cat([packed, n_bad_local.to(packed)[None]])
     if all_reduce is not None:
         packed = all_reduce(packed)
-    hist = packed.cpu().reshape(5, -1)  # the one host sync
+    packed = packed.cpu()  # the one host sync
+    n_bad = int(packed[-1]) if n_bad_local is not None else 0
+    hist = (packed[:-1] if n_bad_local is not None else packed).reshape(5, -1)
     u = edges.n_bins
-    n_bad = int(hist[0, 2 * u + 1])
-    if n_bad and config.nonfinite == "error":
+    if not bool(torch.isfinite(hist[:, : 2 * u + 1]).all()):
+        # Every rank sees the same reduced sums, so every rank raises (none is left in a collective).
+        n_bad = int((~torch.isfinite(ratio * advantages) & (mask > 0)).sum())
         raise NonFiniteInputError(
-            f"{n_bad} unmasked token(s) have a non-finite importance ratio or advantage (counted over all "
-            "ranks, so every rank raises). Check the log-probs and rewards upstream, or set "
-            "bapo.nonfinite=mask to drop and count them."
+            f"non-finite importance ratio or advantage on unmasked tokens ({n_bad} on this rank; every rank "
+            "of the reduction raises). Check the log-probs and rewards upstream, or set bapo.nonfinite=mask "
+            "to drop and count them."
         )
     p, n, pos_count, neg_count, dual_count = _masses_on_grid(hist, edges, config.measure)
 

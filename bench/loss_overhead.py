@@ -1,0 +1,171 @@
+"""Cost of BAPO's bound search, side by side in one run on CPU.
+
+Compares, on the same ~1M-token batch (forward + backward where there is a loss):
+  plain       the fixed-bound clipped loss ([0.8, 1.2]), nothing else
+  plain+stats the same loss plus the statistics every PPO trainer logs (clip fractions by sign, mean
+              ratio, approx KL): what a production plain loss costs
+  bapo        search_clip_bounds (one pass, one reduction) + the loss; its statistics come from the
+              search's histograms
+  sequential  the sequential search with the paper's settings, as the authors' code evaluates it: one
+              full pass over the tokens, one reduction and one host sync per candidate (up to 52)
+Prints the timings, the ratios and the number of reduction calls, and writes JSON + PNG to
+bench/results/. Usage: python bench/loss_overhead.py [--tokens 1048576] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, clipped_policy_loss, search_clip_bounds
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_batch(n_tokens: int, seq_len: int, seed: int = 0):
+    """Stale off-policy data: log-ratios ~ N(0, 0.3), advantages per sequence tilted negative (as in
+    a hard batch), 10% padding: the search walks well into the c_high grid."""
+    g = torch.Generator().manual_seed(seed)
+    b = n_tokens // seq_len
+    logp = -torch.rand(b, seq_len, generator=g) * 3
+    old = logp + torch.randn(b, seq_len, generator=g) * 0.3
+    adv = (torch.randn(b, 1, generator=g) - 0.3).expand(b, seq_len).contiguous()
+    mask = (torch.rand(b, seq_len, generator=g) > 0.1).float()
+    return logp, old, adv, mask
+
+
+def plain_step(logp, old, adv, mask, with_stats: bool):
+    x = logp.clone().requires_grad_(True)
+    loss = clipped_policy_loss(x, old, adv, mask, mask.sum(), 0.8, 1.2)
+    loss.backward()
+    if with_stats:
+        with torch.no_grad():
+            r = torch.exp(torch.clamp(x - old, -20, 20))
+            valid = mask > 0
+            pos, neg = valid & (adv > 0), valid & (adv < 0)
+            torch.stack([
+                (pos & (r > 1.2)).sum() / pos.sum(), (neg & (r < 0.8)).sum() / neg.sum(),
+                r[valid].mean(), (r - 1 - torch.log(r))[valid].mean(),
+            ]).tolist()
+
+
+def bapo_step(logp, old, adv, mask, config, reduce_calls):
+    def all_reduce(t):  # single process: the reduction is the identity, but we count the calls
+        reduce_calls.append(1)
+        return t
+
+    x = logp.clone().requires_grad_(True)
+    loss, _ = bapo_policy_loss(x, old, adv, mask, mask.sum(), config, all_reduce=all_reduce)
+    loss.backward()
+
+
+def sequential_search(logp, old, adv, mask, config: BAPOConfig, reduce_calls):
+    """Algorithm 1 evaluated candidate by candidate (value measure, paper order), as in the authors'
+    loop: each evaluation is a full pass, an all-reduce of (P, N) and a `.item()` host sync."""
+    r = torch.exp(torch.clamp(logp - old, -20, 20))
+    lows, highs = config.c_low_grid(), config.c_high_grid()
+    i = j = 0
+    steps = 0
+
+    def rho(c_low, c_high):
+        eff = torch.where(adv >= 0, torch.clamp(r, max=c_high), torch.clamp(r, min=c_low)) * adv * mask
+        stats = torch.stack([eff.clamp(min=0).sum(), (-eff.clamp(max=0)).sum()])
+        reduce_calls.append(1)  # the all-reduce of (P, N) over the data-parallel group
+        p, n = stats.tolist()
+        return 1.0 if n <= 0 else p / (p + n)
+
+    while rho(lows[j], highs[i]) < config.rho0 and j + 1 < len(lows):
+        if i + 1 < len(highs):
+            i += 1
+        else:
+            j += 1
+        steps += 1
+    return lows[j], highs[i], steps
+
+
+def timeit(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=1 << 20)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    logp, old, adv, mask = make_batch(args.tokens, args.seq_len)
+    config = BAPOConfig(measure="value")  # same measure as the sequential reference
+    bapo_calls: list[int] = []
+    seq_calls: list[int] = []
+    bounds = search_clip_bounds(torch.exp(logp - old), adv, mask, config)
+    seq_bounds = sequential_search(logp, old, adv, mask, config, [])
+    assert (bounds.c_low, bounds.c_high) == seq_bounds[:2], (bounds, seq_bounds)
+
+    # Interleave the variants so machine load hits them alike.
+    rows = {"plain": [], "plain+stats": [], "bapo": [], "bapo search only": [], "sequential search": []}
+    for _ in range(args.repeats):
+        rows["plain"].append(timeit(lambda: plain_step(logp, old, adv, mask, False), 1))
+        rows["plain+stats"].append(timeit(lambda: plain_step(logp, old, adv, mask, True), 1))
+        bapo_calls.clear()
+        rows["bapo"].append(timeit(lambda: bapo_step(logp, old, adv, mask, config, bapo_calls), 1))
+        rows["bapo search only"].append(
+            timeit(lambda: search_clip_bounds(torch.exp(logp - old), adv, mask, config), 1))
+        seq_calls.clear()
+        rows["sequential search"].append(timeit(lambda: sequential_search(logp, old, adv, mask, config, seq_calls), 1))
+    ms = {k: statistics.median(v) for k, v in rows.items()}
+
+    print(f"tokens: {logp.numel():,} ({mask.sum().int():,} unmasked), torch threads: {torch.get_num_threads()}")
+    print(f"bounds: c_low={bounds.c_low} c_high={bounds.c_high} after {bounds.steps} search steps "
+          f"(sequential: {seq_bounds[2]} steps, same bounds)")
+    for k, v in ms.items():
+        print(f"  {k:<18} {v:9.1f} ms")
+    ratios = {
+        "bapo / plain": ms["bapo"] / ms["plain"],
+        "bapo / plain+stats": ms["bapo"] / ms["plain+stats"],
+        "sequential search / bapo search": ms["sequential search"] / ms["bapo search only"],
+        "sequential search / bapo (search+loss)": ms["sequential search"] / ms["bapo"],
+    }
+    for k, v in ratios.items():
+        print(f"  {k:<40} {v:6.2f}x")
+    calls = {"bapo": len(bapo_calls) // 2, "sequential": len(seq_calls) // 2}
+    print(f"  reduction calls per update: bapo {calls['bapo']}, sequential {calls['sequential']}")
+
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "loss_overhead.json").write_text(json.dumps(
+        {"tokens": logp.numel(), "ms": ms, "ratios": ratios, "reduction_calls": calls,
+         "search_steps": bounds.steps}, indent=2))
+    plot(ms, RESULTS / "loss_overhead.png")
+    print(f"wrote {RESULTS / 'loss_overhead.json'} and {RESULTS / 'loss_overhead.png'}")
+
+
+def plot(ms: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    names = list(ms)
+    ax.barh(names, [ms[n] for n in names], color=["#999", "#777", "#2a7", "#5c9", "#c44"])
+    ax.set_xlabel("median ms per update (1M tokens, CPU)")
+    ax.invert_yaxis()
+    for y, n in enumerate(names):
+        ax.text(ms[n], y, f" {ms[n]:.0f}", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
