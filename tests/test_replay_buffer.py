@@ -26,7 +26,11 @@ def test_capacity_evicts_oldest_and_staleness_bound_holds():
     buf.add(["a", "b"], policy_version=0)
     buf.add(["c"], policy_version=1)
     buf.add(["d"], policy_version=2)  # 4 items > capacity 3: "a" (v0, added first) goes
-    assert sorted(buf.sample(10, current_version=1, generator=torch.Generator().manual_seed(0))) == ["b", "c", "d"]
+    assert sorted(buf.sample(10, current_version=1, generator=torch.Generator().manual_seed(0))) == [
+        "b",
+        "c",
+        "d",
+    ]
     assert buf.evicted_capacity == 1
     # at version 2 with max_staleness 1: v0 is 2 versions old -> evicted; v1 and v2 stay
     got = buf.sample(10, current_version=2, generator=random.Random(0))
@@ -55,8 +59,7 @@ def test_sample_is_without_replacement_and_items_stay_for_reuse():
 def test_never_returns_an_item_older_than_max_staleness(ops, capacity, max_staleness):
     buf = ReplayBuffer(capacity=capacity, max_staleness=max_staleness)
     reference: list[tuple[int, int]] = []  # independent model: items in add order
-    version = 0
-    for n_add, n_sample in ops:
+    for version, (n_add, n_sample) in enumerate(ops):
         items = [(version, i) for i in range(n_add)]
         buf.add(items, policy_version=version)
         reference.extend(items)
@@ -67,7 +70,6 @@ def test_never_returns_an_item_older_than_max_staleness(ops, capacity, max_stale
         for item_version, _ in got:
             assert version - item_version <= max_staleness
         assert set(got) <= set(reference) and len(got) == min(n_sample, len(reference))
-        version += 1
 
 
 def test_state_round_trip_with_rollout_groups():

@@ -61,7 +61,7 @@ class ToyPolicy:
         # every chunk ever produced: (version, context, tokens, logprobs, finished)
         self.log: list[tuple[int, tuple[int, ...], list[int], list[float], bool]] = []
 
-    def bind(self, version: int) -> "ToyPolicy":
+    def bind(self, version: int) -> ToyPolicy:
         self.version = version
         return self
 

@@ -40,7 +40,13 @@ def test_long_response_is_cut_into_budgeted_segments_with_their_versions():
     assert r.segment_lengths == [3, 3, 1] and r.num_segments == 3
     assert r.behavior_logprobs == [-0.01 * (j + 1) for j in range(7)]
     assert r.loss_weights == [1.0] * 7  # stale_segments: keep
-    assert r.meta == {"answer": "42", "truncated": False, "finish_reason": "stop", "num_segments": 3, "sample_index": 0}
+    assert r.meta == {
+        "answer": "42",
+        "truncated": False,
+        "finish_reason": "stop",
+        "num_segments": 3,
+        "sample_index": 0,
+    }
     # continuation re-feeds prompt + tokens so far; the budget is passed every time
     assert [(v, ctx, n) for v, ctx, n in gen.calls] == [
         (0, [[7, 0]], 3),
@@ -124,7 +130,10 @@ def test_per_prompt_cap_applies_with_the_config_cap():
     gen = CountdownGenerator()
     # prompt caps 6 and 20 (config 9 wins for the second): 4+2 and 4+4+1
     manager.add_prompts(
-        [PromptItem("short", [30, 0], max_response_tokens=6), PromptItem("long", [30, 0], max_response_tokens=20)]
+        [
+            PromptItem("short", [30, 0], max_response_tokens=6),
+            PromptItem("long", [30, 0], max_response_tokens=20),
+        ]
     )
     groups = [g for v in range(3) for g in manager.run_iteration(gen.bind(v), v)]
     lengths = {g.prompt_id: g.rollouts[0].segment_lengths for g in groups}
@@ -229,9 +238,9 @@ def test_state_dict_mid_flight_has_segments_in_flight():
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(token_budget=4), "token_budget"),
-        (dict(max_resumptions=2), "max_resumptions"),
-        (dict(max_response_tokens=9), "max_response_tokens"),
+        ({"token_budget": 4}, "token_budget"),
+        ({"max_resumptions": 2}, "max_resumptions"),
+        ({"max_response_tokens": 9}, "max_response_tokens"),
     ],
 )
 def test_incompatible_state_names_the_field(change, field):
@@ -262,7 +271,7 @@ def test_group_size_mismatch_and_malformed_state_are_named():
     with pytest.raises(PartialRolloutStateError, match=r"active\.0\.sequences\.0\.response_token_ids"):
         PartialRolloutManager(cfg, group_size=2).load_state_dict(broken)
     # non-binding settings may change on resume (admission, stale policy)
-    relaxed = PartialRolloutManager(cfg.model_copy(update=dict(stale_segments="exclude")), group_size=2)
+    relaxed = PartialRolloutManager(cfg.model_copy(update={"stale_segments": "exclude"}), group_size=2)
     relaxed.load_state_dict(state)
     assert relaxed.num_in_flight == 1
 

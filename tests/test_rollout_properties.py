@@ -34,7 +34,9 @@ def _drain(cfg, group_size, n_prompts, seed, interrupt_at=None, max_iterations=2
     prompts = [PromptItem(f"p{i}", [i % 3 + 1, i], {"i": i}) for i in range(n_prompts)]
     groups, versions = [], []
     v = 0
-    while (manager.num_pending or manager.num_in_flight or manager.num_completed or prompts) and v < max_iterations:
+    while (
+        manager.num_pending or manager.num_in_flight or manager.num_completed or prompts
+    ) and v < max_iterations:
         if prompts:  # two new prompts per iteration, like a dataloader
             manager.add_prompts(prompts[:2])
             prompts = prompts[2:]
@@ -78,9 +80,15 @@ def test_partial_rollout_invariants(cfg, group_size, n_prompts, seed):
                 seg = slice(start, start + seg_len)
                 assert len(set(r.token_versions[seg])) == 1  # one policy version per segment
                 last = k == r.num_segments - 1
-                used.append((r.token_versions[start], tuple(r.prompt_token_ids + r.response_token_ids[:start]),
-                             r.response_token_ids[seg], r.behavior_logprobs[seg],
-                             last and r.meta["finish_reason"] == "max_response_tokens"))
+                used.append(
+                    (
+                        r.token_versions[start],
+                        tuple(r.prompt_token_ids + r.response_token_ids[:start]),
+                        r.response_token_ids[seg],
+                        r.behavior_logprobs[seg],
+                        last and r.meta["finish_reason"] == "max_response_tokens",
+                    )
+                )
                 start += seg_len
     # Every generator output is used by exactly one segment, in full: segment k of a response came from
     # the context prompt + segments < k. Only a segment that hit the length cap may keep a prefix.
@@ -98,8 +106,14 @@ def test_partial_rollout_invariants(cfg, group_size, n_prompts, seed):
     leftovers = list((+remaining).elements())
     assert len(leftovers) == len(prefix_cut)
     for v, ctx, toks, lps in prefix_cut:  # each cut segment is a strict prefix of one leftover output
-        match = next(o for o in leftovers if o[:2] == (v, ctx) and list(o[2][: len(toks)]) == toks
-                     and list(o[3][: len(lps)]) == lps and len(o[2]) > len(toks))
+        match = next(
+            o
+            for o in leftovers
+            if o[:2] == (v, ctx)
+            and list(o[2][: len(toks)]) == toks
+            and list(o[3][: len(lps)]) == lps
+            and len(o[2]) > len(toks)
+        )
         leftovers.remove(match)
 
 

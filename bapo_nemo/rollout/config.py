@@ -70,7 +70,9 @@ class PartialRolloutConfig(BaseModel):
             raise ValueError(f"max_resumptions must be >= 0 (0 = never continue a response), got {v}")
         return v
 
-    @field_validator("max_response_tokens", "global_token_budget", "max_in_flight_groups", "prompts_per_iteration")
+    @field_validator(
+        "max_response_tokens", "global_token_budget", "max_in_flight_groups", "prompts_per_iteration"
+    )
     @classmethod
     def _optional_positive(cls, v: int | None, info) -> int | None:
         if v is not None and v < 1:
@@ -85,7 +87,7 @@ class PartialRolloutConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _global_budget_fits_one_response(self) -> "PartialRolloutConfig":
+    def _global_budget_fits_one_response(self) -> PartialRolloutConfig:
         if self.global_token_budget is not None and self.global_token_budget < self.token_budget:
             raise ValueError(
                 f"global_token_budget ({self.global_token_budget}) must be >= token_budget "
@@ -106,7 +108,7 @@ class PartialRolloutConfig(BaseModel):
         return self.stale_weight_decay**staleness
 
     @classmethod
-    def parse(cls, data: dict | None, where: str = "partial_rollouts") -> "PartialRolloutConfig":
+    def parse(cls, data: dict | None, where: str = "partial_rollouts") -> PartialRolloutConfig:
         """Validate a user dict (e.g. a `partial_rollouts:` YAML block) with errors that name the key."""
         try:
             return cls.model_validate(data or {})
@@ -122,4 +124,6 @@ class PartialRolloutConfig(BaseModel):
                 elif err["type"] == "literal_error":
                     msg = f"{msg} (got {err['input']!r})"
                 lines.append(f"{where}.{key}: {msg}")
-            raise PartialRolloutConfigError("invalid partial-rollout config:\n  " + "\n  ".join(lines)) from None
+            raise PartialRolloutConfigError(
+                "invalid partial-rollout config:\n  " + "\n  ".join(lines)
+            ) from None

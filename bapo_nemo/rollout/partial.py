@@ -204,7 +204,9 @@ class PartialRolloutManager:
             "rollout/returned_groups": float(s.last_returned.num_groups),
             "rollout/returned_tokens": float(total),
             "rollout/truncated_fraction": (
-                s.last_returned.num_truncated / s.last_returned.num_rollouts if s.last_returned.num_rollouts else 0.0
+                s.last_returned.num_truncated / s.last_returned.num_rollouts
+                if s.last_returned.num_rollouts
+                else 0.0
             ),
             "rollout/in_flight_groups": float(len(s.active)),
             "rollout/in_flight_sequences": float(sum(not q.done for g in s.active for q in g.sequences)),
@@ -226,7 +228,9 @@ class PartialRolloutManager:
         """Restore a state saved by `state_dict`. Raises PartialRolloutStateError naming the field if it
         comes from an incompatible configuration or is malformed."""
         if not isinstance(state, dict):
-            raise PartialRolloutStateError(f"partial-rollout state must be a dict, got {type(state).__name__}")
+            raise PartialRolloutStateError(
+                f"partial-rollout state must be a dict, got {type(state).__name__}"
+            )
         version = state.get("format_version")
         if version != STATE_FORMAT_VERSION:
             raise PartialRolloutStateError(
@@ -316,7 +320,9 @@ class PartialRolloutManager:
         produced = 0
         for (group, i), chunk, allowance in zip(scheduled, chunks, allowances):
             if len(chunk.token_ids) > allowance:
-                chunk = GenerationChunk(chunk.token_ids[:allowance], chunk.logprobs[:allowance], finished=False)
+                chunk = GenerationChunk(
+                    chunk.token_ids[:allowance], chunk.logprobs[:allowance], finished=False
+                )
             self._append_segment(group.sequences[i], chunk, policy_version, self._response_cap(group))
             produced += len(chunk.token_ids)
         return produced
@@ -401,7 +407,9 @@ class PartialRolloutManager:
                     )
                 for si, seq in enumerate(group.sequences):
                     n = len(seq.response_token_ids)
-                    if not (n == len(seq.behavior_logprobs) == len(seq.token_versions) == sum(seq.segment_lengths)):
+                    if not (
+                        n == len(seq.behavior_logprobs) == len(seq.token_versions) == sum(seq.segment_lengths)
+                    ):
                         raise PartialRolloutStateError(
                             f"partial-rollout state field {where}[{gi}].sequences[{si}]: response_token_ids, "
                             "behavior_logprobs, token_versions and segment_lengths disagree in length"

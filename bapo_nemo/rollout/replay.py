@@ -121,7 +121,9 @@ class ReplayBuffer:
             try:
                 items.append((int(entry["policy_version"]), int(entry["seq"]), _decode_item(entry["item"])))
             except (KeyError, TypeError, ValueError) as exc:
-                raise ReplayStateError(f"replay-buffer state field entries[{i}] is malformed: {exc}") from None
+                raise ReplayStateError(
+                    f"replay-buffer state field entries[{i}] is malformed: {exc}"
+                ) from None
         self._items = items
         self._next_seq = int(state["next_seq"])
         self.evicted_stale = int(state.get("evicted_stale", 0))
@@ -164,7 +166,11 @@ def split_minibatches(
         raise ValueError(
             f"updates_per_batch must be between 1 and the number of groups ({n_groups}), got {updates_per_batch}"
         )
-    order = torch.randperm(n_groups, generator=generator).tolist() if generator is not None else list(range(n_groups))
+    order = (
+        torch.randperm(n_groups, generator=generator).tolist()
+        if generator is not None
+        else list(range(n_groups))
+    )
     base, extra = divmod(n_groups, updates_per_batch)
     batches, start = [], 0
     for u in range(updates_per_batch):

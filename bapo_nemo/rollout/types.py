@@ -3,8 +3,8 @@ chunks) and what comes out (finished rollouts, complete prompt groups)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass
