@@ -1,0 +1,80 @@
+"""`bapo-nemo export CHECKPOINT --out DIR [--fp8] [--register-model NAME] [--force]`.
+
+CHECKPOINT is an embedded ``step_<N>`` directory (or the training ``output_dir``: its newest complete
+checkpoint is used) or a NeMo-RL ``checkpoint_dir/step_<N>`` (Megatron; runs inside the NeMo-RL
+container). Every export ends with a parity check and prints the max |difference| of per-token log-probs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bapo_nemo.export.checkpoint import ExportError, resolve_checkpoint
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="embedded step_<N> dir or training output_dir; or a NeMo-RL checkpoint_dir/step_<N>")
+    parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to")
+    parser.add_argument("--fp8", action="store_true",
+                        help="post-training FP8 (e4m3) quantisation with NVIDIA ModelOpt for serving (embedded only)")
+    parser.add_argument("--register-model", metavar="NAME",
+                        help="log the export to the source MLflow run and register it as a version of NAME")
+    parser.add_argument("--tracking-uri", help="MLflow store for --register-model (default: the checkpoint's own)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--parity-prompts", metavar="FILE", type=Path,
+                        help="held-out prompts for the parity check, one per line (default: built-in ones)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        ref = resolve_checkpoint(args.checkpoint)
+        prompts = None
+        if args.parity_prompts is not None:
+            if not args.parity_prompts.is_file():
+                raise ExportError(f"--parity-prompts {args.parity_prompts} does not exist")
+            prompts = [line for line in args.parity_prompts.read_text().splitlines() if line.strip()]
+            if not prompts:
+                raise ExportError(f"--parity-prompts {args.parity_prompts} holds no prompts")
+        print(f"exporting {ref.kind} checkpoint {ref.path} -> {args.out}")
+        if ref.kind == "nemo_rl":
+            if args.fp8:
+                raise ExportError("--fp8 is for embedded checkpoints: export the NeMo-RL checkpoint without --fp8, "
+                                  "then quantise the HF model with ModelOpt's examples/llm_ptq/hf_ptq.py on a GPU")
+            from bapo_nemo.export.megatron import export_megatron  # noqa: PLC0415
+
+            result = export_megatron(ref, args.out, force=args.force)
+        elif args.fp8:
+            from bapo_nemo.export.fp8 import export_fp8  # noqa: PLC0415
+
+            result = export_fp8(ref, args.out, force=args.force, parity_prompts=prompts)
+        else:
+            from bapo_nemo.export.hf import export_embedded  # noqa: PLC0415
+
+            result = export_embedded(ref, args.out, force=args.force, parity_prompts=prompts)
+        if result.parity is not None:
+            print(f"max_abs_logprob_diff={result.parity.max_abs_diff:.6g}")
+        if args.register_model:
+            from bapo_nemo.export.registry import register_export  # noqa: PLC0415
+
+            uri = args.tracking_uri or _checkpoint_tracking_uri(ref.path)
+            version = register_export(result, args.register_model, uri,
+                                      artifact_path="hf_export_fp8" if args.fp8 else "hf_export")
+            print(f"registered model {args.register_model!r} version {version.version} (run {result.run_id})")
+        print(f"wrote {result.out_dir}")
+        return 0
+    except (ExportError, ValueError, FileNotFoundError) as exc:
+        print(f"bapo-nemo export: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _checkpoint_tracking_uri(step_dir: Path) -> str:
+    import json  # noqa: PLC0415
+
+    info_file = step_dir / "training_info.json"
+    uri = json.loads(info_file.read_text()).get("mlflow_tracking_uri") if info_file.is_file() else None
+    if not uri:
+        raise ExportError(f"{info_file} records no mlflow_tracking_uri: pass --tracking-uri")
+    return uri

@@ -1,0 +1,105 @@
+"""Post-training FP8 quantisation for serving, with NVIDIA ModelOpt (``pip install 'bapo-nemo[fp8]'``).
+
+``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)`` inserts per-tensor FP8 (e4m3) quantisers for the
+weights and inputs of every linear layer (embeddings and lm_head excluded) and calibrates the input
+scales on held-out sequences; ``export_hf_checkpoint`` writes FP8 weights with ``weight_scale`` /
+``input_scale`` and ``quant_method: modelopt`` that vLLM and TensorRT-LLM load. Runs on CPU.
+
+Parity: transformers cannot run ModelOpt FP8 checkpoints on CPU (it ignores the scales), so the check
+(1) dequantises the written FP8 weights (fp8 * weight_scale) into the original architecture and compares
+log-probs with the source, and (2) compares the calibrated fake-quantised model (weights and
+activations in FP8, what a serving engine computes) with the source. FP8 is lossy: the check passes when
+the mean |dlogp| is within ``FP8_MEAN_TOLERANCE``; the max is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
+from bapo_nemo.export.hf import ExportResult, atomic_output_dir, load_embedded, model_card
+from bapo_nemo.export.parity import compare, heldout_sequences, token_logprobs
+
+FP8_MEAN_TOLERANCE = 0.05  # nats per token, averaged; a broken scale gives O(1)
+
+
+def _import_modelopt():
+    try:
+        import modelopt.torch.quantization as mtq  # noqa: PLC0415
+        from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: CUDA-only extensions probed at import
+        raise ExportError(f"--fp8 needs NVIDIA ModelOpt: pip install 'bapo-nemo[fp8]' ({exc})") from exc
+    return mtq, export_hf_checkpoint
+
+
+def dequantized_state_dict(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights of a ModelOpt FP8 export as float32: fp8 weight * weight_scale; scales dropped."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(export_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("_scale", ".input_scale", ".weight_scale")):
+            continue
+        scale = tensors.get(name[: -len("weight")] + "weight_scale") if name.endswith("weight") else None
+        out[name] = tensor.float() * scale.float() if scale is not None else tensor.float()
+    return out
+
+
+def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_prompts: list[str] | None = None,
+               progress=print) -> ExportResult:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    mtq, export_hf_checkpoint = _import_modelopt()
+    model, tokenizer, info, _ = load_embedded(ref)
+    if not model.config.architectures:
+        model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
+    sequences = heldout_sequences(model, tokenizer, prompts=parity_prompts)
+    reference = token_logprobs(model, sequences)
+    source_config = model.config.to_dict()
+
+    def calibrate(m):
+        with torch.no_grad():
+            for ids in sequences:
+                x = torch.tensor([ids])
+                m(input_ids=x, attention_mask=torch.ones_like(x))
+
+    progress("FP8 (e4m3) post-training quantisation with ModelOpt, calibrating on held-out sequences")
+    quantized = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)
+    fake_quant = compare(reference, token_logprobs(quantized, sequences), FP8_MEAN_TOLERANCE, criterion="mean")
+    progress(f"fake-quantised model (FP8 weights and activations) vs source: {fake_quant.summary()}")
+
+    with atomic_output_dir(out, force) as tmp:
+        export_hf_checkpoint(quantized, export_dir=str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if (ref.path / "model" / "generation_config.json").is_file():
+            shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
+        (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
+
+        # reload the written FP8 weights, dequantised, into the source architecture
+        plain_config = type(model.config).from_dict({k: v for k, v in source_config.items()
+                                                     if k != "quantization_config"})
+        reloaded = AutoModelForCausalLM.from_config(plain_config).eval()
+        state = dequantized_state_dict(tmp)
+        missing, unexpected = reloaded.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and plain_config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ExportError(f"FP8 export in {tmp} does not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+        if plain_config.tie_word_embeddings:
+            reloaded.tie_weights()
+        parity = compare(reference, token_logprobs(reloaded, sequences), FP8_MEAN_TOLERANCE, criterion="mean")
+        progress(f"written FP8 weights (dequantised) vs source: {parity.summary()}")
+        if not (parity.passed and fake_quant.passed):
+            raise ExportError(f"FP8 export of {ref.path} failed its parity check (weights: {parity.summary()}; "
+                              f"weights+activations: {fake_quant.summary()}); nothing was written")
+        (tmp / "README.md").write_text(model_card(info, parity, ref.path, fp8=True)
+                                       + f"\nWith FP8 activations too (as served): {fake_quant.summary()}\n")
+    return ExportResult(Path(out).resolve(), parity, ref.path, info.get("step"), info.get("mlflow_run_id"),
+                        extra={"fake_quant_parity": fake_quant})
