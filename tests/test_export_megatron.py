@@ -1,0 +1,133 @@
+"""Export of NeMo-RL v0.7.0 Megatron checkpoints. Megatron-Bridge and transformer-engine cannot be imported
+here, so the CPU tests replace only NeMo-RL's `export_model_from_megatron` (the boundary) with a stand-in
+that writes a tiny HF model the way Megatron-Bridge's `save_hf_pretrained` would; the layout detection,
+the hf_config_overrides fix, the parity against training-time log-probs and the atomic write are ours
+and run for real. The `nemo_rl` + `gpu` test converts a real checkpoint in the container."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from bapo_nemo.cli import main as cli_main
+from bapo_nemo.export import megatron
+from bapo_nemo.export.checkpoint import resolve_checkpoint
+from bapo_nemo.export.parity import read_reference_logprobs, write_reference_logprobs
+
+
+def nemo_step_dir(root: Path, overrides_key: str = "hf_config_overrides") -> Path:
+    step = root / "results" / "grpo" / "step_40"
+    (step / "policy" / "weights" / "iter_0000040").mkdir(parents=True)
+    (step / "policy" / "weights" / "iter_0000040" / "metadata.json").write_text("{}")
+    config = {"policy": {"model_name": "Qwen/Qwen2.5-1.5B", "tokenizer": {"name": "Qwen/Qwen2.5-1.5B"},
+                         overrides_key: {"rope_theta": 500000.0}},
+              "loss_fn": {"bapo": {"rho0": 0.4, "enabled": True}}}
+    (step / "config.yaml").write_text(yaml.safe_dump(config))
+    (step.parent / "mlflow_run.json").write_text(json.dumps({"run_id": "r-77", "tracking_uri": "sqlite:///x.db"}))
+    return step
+
+
+def tiny_hf_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+class StandInExporter:
+    """Records the call and writes what Megatron-Bridge would: an HF directory at output_path."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        assert not os.path.exists(kwargs["output_path"])  # the real one refuses an existing dir
+        self.model.save_pretrained(kwargs["output_path"])
+
+
+def manual_logprobs(model, seq: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0]
+    return [float(torch.log_softmax(logits[t], -1)[seq[t + 1]]) for t in range(len(seq) - 1)]
+
+
+def test_layout_weights_and_overrides(tmp_path):
+    step = nemo_step_dir(tmp_path)
+    ref = resolve_checkpoint(step)
+    assert ref.kind == "nemo_rl" and ref.step == 40
+    assert megatron.megatron_weights_path(step).name == "iter_0000040"
+    config = megatron.read_nemo_config(step)
+    assert megatron.hf_overrides(config["policy"]) == {"rope_theta": 500000.0}
+    assert megatron.hf_overrides({"hf_overrides": {"a": 1}}) == {"a": 1}  # the converter script's spelling
+    (step / "config.yaml").write_text("policy: {}\n")
+    with pytest.raises(megatron.ExportError, match=r"config\.yaml: no policy\.model_name"):
+        megatron.read_nemo_config(step)
+
+
+def test_export_passes_overrides_and_checks_parity_against_recorded_logprobs(tmp_path, monkeypatch, capsys):
+    step = nemo_step_dir(tmp_path)
+    model = tiny_hf_model()
+    sequences = [[1, 5, 9, 12, 3], [7, 7, 2, 30, 31, 8]]
+    write_reference_logprobs(step, sequences, [manual_logprobs(model, s) for s in sequences], "float32", "test")
+    assert read_reference_logprobs(step)["sequences"] == sequences
+    exporter = StandInExporter(model)
+    monkeypatch.setattr(megatron, "_import_exporter", lambda: exporter)
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(step), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "parity PASS" in printed and "max_abs_logprob_diff=" in printed
+    (call,) = exporter.calls
+    assert call["hf_overrides"] == {"rope_theta": 500000.0}  # v0.7.0's script would pass {}
+    assert call["input_path"].endswith("step_40/policy/weights/iter_0000040")
+    assert call["hf_model_name"] == "Qwen/Qwen2.5-1.5B"
+    info = json.loads((out / "bapo_training_info.json").read_text())
+    assert info["mlflow_run_id"] == "r-77" and info["step"] == 40 and info["bapo"]["rho0"] == 0.4
+    assert "r-77" in (out / "README.md").read_text()
+
+
+def test_parity_failure_writes_nothing(tmp_path, monkeypatch, capsys):
+    step = nemo_step_dir(tmp_path)
+    sequences = [[1, 5, 9, 12, 3]]
+    # reference from a different model (another seed): the exported weights do not reproduce it
+    write_reference_logprobs(step, sequences, [manual_logprobs(tiny_hf_model(seed=1), sequences[0])], "float32", "t")
+    monkeypatch.setattr(megatron, "_import_exporter", lambda: StandInExporter(tiny_hf_model(seed=0)))
+    assert cli_main(["export", str(step), "--out", str(tmp_path / "hf")]) == 2
+    assert "failed its parity check" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
+
+
+def test_without_recorded_logprobs_parity_is_reported_not_checked(tmp_path, monkeypatch, capsys):
+    step = nemo_step_dir(tmp_path)
+    monkeypatch.setattr(megatron, "_import_exporter", lambda: StandInExporter(tiny_hf_model()))
+    assert cli_main(["export", str(step), "--out", str(tmp_path / "hf")]) == 0
+    assert "parity NOT CHECKED" in capsys.readouterr().out
+    assert "not checked" in (tmp_path / "hf" / "README.md").read_text()
+
+
+def test_outside_the_container_the_error_says_where_to_run(tmp_path, capsys):
+    step = nemo_step_dir(tmp_path)
+    assert cli_main(["export", str(step), "--out", str(tmp_path / "hf")]) == 2
+    assert "nvcr.io/nvidia/nemo-rl:v0.7.0" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_reference_file_shape_is_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"len\(logprobs\[i\]\) == len\(sequences\[i\]\) - 1"):
+        write_reference_logprobs(tmp_path, [[1, 2, 3]], [[-0.5]], "bfloat16", "t")
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.gpu
+def test_real_megatron_checkpoint_export(tmp_path):
+    """In the container: BAPO_TEST_MEGATRON_STEP_DIR points at a NeMo-RL step_<N> dir of a small model."""
+    step = os.environ.get("BAPO_TEST_MEGATRON_STEP_DIR")
+    if not step:
+        pytest.skip("set BAPO_TEST_MEGATRON_STEP_DIR to a NeMo-RL checkpoint_dir/step_<N> to run this test")
+    assert cli_main(["export", step, "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
