@@ -1,0 +1,62 @@
+"""The `loss_fn.bapo` block of a NeMo-RL master config: BAPO's own settings (`BAPOConfig`) plus the
+options that only make sense inside NeMo-RL (which log-probs the clipped ratio is taken against).
+
+The block is flat in YAML, so users write one list of keys:
+
+    loss_fn:
+      bapo:
+        rho0: 0.4                 # BAPOConfig
+        granularity: microbatch   # BAPOConfig
+        ratio_reference: behavior # adapter option (this module)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bapo_nemo.algorithm import BAPOConfig, BAPOConfigError
+
+RatioReference = Literal["proximal", "behavior"]
+
+# Adapter keys live next to BAPOConfig's keys in the same YAML block.
+ADAPTER_KEYS = ("ratio_reference",)
+
+
+class NemoBAPOOptions(BaseModel):
+    """Everything BAPOLossFn reads from `loss_fn.bapo`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ratio_reference: RatioReference = Field(
+        "behavior",
+        description=(
+            "Log-probs the clipped ratio is taken against. proximal: NeMo-RL's prev_logprobs, recomputed "
+            "with the current weights at the start of every policy.train(); the ratio is 1 at the first "
+            "optimizer step of each rollout batch, so BAPO only acts with several optimizer steps per "
+            "rollout batch. behavior: generation_logprobs of the policy that sampled the tokens (vLLM); "
+            "the ratio carries all off-policyness (stale weights, FP8 generation), as in the paper."
+        ),
+    )
+    bapo: BAPOConfig = Field(default_factory=BAPOConfig)
+
+    @classmethod
+    def parse(cls, block: dict[str, Any] | None, where: str = "loss_fn.bapo") -> "NemoBAPOOptions":
+        """Split the flat YAML block into adapter options and BAPOConfig; errors name the full key."""
+        block = dict(block or {})
+        adapter = {k: block.pop(k) for k in ADAPTER_KEYS if k in block}
+        bapo = BAPOConfig.parse(block, where=where)  # raises BAPOConfigError naming `where.key`
+        try:
+            return cls(bapo=bapo, **adapter)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                key = ".".join(str(p) for p in err["loc"])
+                got = f" (got {err['input']!r})" if err["type"] == "literal_error" else ""
+                lines.append(f"{where}.{key}: {err['msg']}{got}")
+            raise BAPOConfigError("invalid BAPO config:\n  " + "\n  ".join(lines)) from None
+
+    def flat(self) -> dict[str, Any]:
+        """The flat YAML form again (for logging and checkpoints)."""
+        return {"ratio_reference": self.ratio_reference, **self.bapo.model_dump()}

@@ -1,0 +1,117 @@
+"""`granularity: step`: one set of BAPO bounds per optimizer step, chosen on the driver.
+
+NeMo-RL calls the loss once per micro-batch, so a per-step search cannot happen inside the loss. The
+driver wraps `policy.train` (`StepBoundsTrainer`) and, for each optimizer step (global batch) of a
+train() call, searches the bounds over the whole global batch and ships them to the workers as
+per-sample tensors in the batch (`STEP_BOUNDS_KEYS`); BAPOLossFn uses them instead of searching.
+
+Cost, precisely:
+- optimizer step 1 of a train() call: free of GPU work. The log-probs of the current weights are the
+  `prev_logprobs` grpo_train computed just before train(); the search is one histogram pass over the
+  global batch on the driver CPU (one bincount per grid; no collective).
+- optimizer steps 2..k (several optimizer steps per rollout batch): the current log-probs are unknown
+  until the previous step is applied, so each costs one extra no-grad `policy.get_logprobs` pass over
+  that global batch (about a third of its forward+backward) and the train() call is split into k calls.
+  NeMo-RL's LR scheduler ticks once per train() call, so then it ticks once per optimizer step: express
+  warm-up/decay in optimizer steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from bapo_nemo.algorithm import ClipSearchResult, search_clip_bounds
+from bapo_nemo.algorithm.bapo import importance_ratio
+from bapo_nemo.nemo.loss_math import importance_weights_like_nemo
+from bapo_nemo.nemo.options import NemoBAPOOptions
+
+STEP_BOUNDS_KEYS = ("bapo_c_low", "bapo_c_high", "bapo_rho", "bapo_rho_initial", "bapo_target_met", "bapo_steps")
+
+
+def search_step_bounds(
+    batch, current_logprobs: torch.Tensor, options: NemoBAPOOptions, loss_cfg: dict[str, Any]
+) -> ClipSearchResult:
+    """Bounds for one optimizer step from a whole global batch held on the driver (no collective)."""
+    token_mask = batch["token_mask"][:, 1:]
+    mask = token_mask * batch["sample_mask"].unsqueeze(-1)
+    advantages = batch["advantages"][:, 1:]
+    prev, gen = batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]
+    ref = prev if options.ratio_reference == "proximal" else gen
+    ratio = importance_ratio(current_logprobs[:, 1:], ref)
+    weights = None
+    if loss_cfg.get("use_importance_sampling_correction") and options.ratio_reference == "proximal":
+        weights = importance_weights_like_nemo(
+            prev, gen, token_mask, loss_cfg.get("truncated_importance_sampling_type"),
+            loss_cfg.get("truncated_importance_sampling_ratio"),
+            loss_cfg.get("truncated_importance_sampling_ratio_min"),
+        )
+    return search_clip_bounds(ratio, advantages, mask, options.bapo, all_reduce=None, weights=weights)
+
+
+def attach_bounds(batch, result: ClipSearchResult) -> None:
+    """Per-sample copies of the step's bounds: they survive NeMo-RL's sharding and micro-batching."""
+    n = batch["sample_mask"].shape[0]
+    values = (result.c_low, result.c_high, result.rho, result.rho_initial, float(result.target_met), float(result.steps))
+    for key, value in zip(STEP_BOUNDS_KEYS, values):
+        batch[key] = torch.full((n,), value, dtype=torch.float64)
+
+
+def bounds_from_data(data) -> ClipSearchResult:
+    """The step's bounds as BAPOLossFn sees them inside a micro-batch."""
+    c_low, c_high, rho, rho0, met, steps = (float(data[k].reshape(-1)[0]) for k in STEP_BOUNDS_KEYS)
+    return ClipSearchResult(
+        c_low=c_low, c_high=c_high, rho=rho, rho_initial=rho0, target_met=bool(met), steps=int(steps),
+        positive_mass=0.0, negative_mass=0.0, num_tokens=0.0, nonfinite_tokens=0,
+    )
+
+
+def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """k single-step train() results -> what one k-step train() call would have returned.
+
+    Workers divide each micro-batch metric by the number of optimizer steps of the call (except names
+    with "_min"/"_max"); each split call divided by 1, so divide by k here. Losses are concatenated
+    (one per optimizer step, as the unsplit call returns them); grad_norm is the last step's.
+    """
+    k = len(results)
+    merged: dict[str, Any] = {}
+    all_mb: dict[str, list] = {}
+    for r in results:
+        for name, values in r.get("all_mb_metrics", {}).items():
+            scale = 1.0 if ("_min" in name or "_max" in name or name in ("lr", "wd", "global_valid_seqs", "global_valid_toks")) else 1.0 / k
+            all_mb.setdefault(name, []).extend(v * scale for v in values)
+    merged.update(results[-1])
+    merged["all_mb_metrics"] = all_mb
+    merged["loss"] = torch.cat([torch.as_tensor(r["loss"]).reshape(-1) for r in results])
+    return merged
+
+
+class StepBoundsTrainer:
+    """Drop-in for `policy.train` on the driver (grpo_train calls `policy.train(data, loss_fn, timer=...)`)."""
+
+    def __init__(self, policy, options: NemoBAPOOptions, loss_cfg: dict[str, Any], global_batch_size: int,
+                 train_fn: Callable | None = None):
+        self.policy = policy
+        self.options = options
+        self.loss_cfg = loss_cfg
+        self.global_batch_size = int(global_batch_size)
+        self.train_fn = train_fn or policy.train  # the original bound method
+
+    def __call__(self, data, loss_fn, eval_mode: bool = False, gbs: int | None = None, mbs: int | None = None,
+                 timer=None, check_dim_skip_keys=None):
+        kwargs = dict(mbs=mbs, timer=timer, check_dim_skip_keys=check_dim_skip_keys)
+        if eval_mode:
+            return self.train_fn(data, loss_fn, eval_mode=True, gbs=gbs, **kwargs)
+        gbs = int(gbs or self.global_batch_size)
+        num_steps = max(1, data.size // gbs)
+        results = []
+        for step in range(num_steps):
+            batch = data.slice(step * gbs, (step + 1) * gbs) if num_steps > 1 else data
+            if step == 0:
+                current = batch["prev_logprobs"]  # current weights, computed just before train()
+            else:
+                current = self.policy.get_logprobs(batch, timer=timer)["logprobs"]  # the extra no-grad pass
+            attach_bounds(batch, search_step_bounds(batch, current, self.options, self.loss_cfg))
+            results.append(self.train_fn(batch, loss_fn, eval_mode=False, gbs=gbs, **kwargs))
+        return results[0] if num_steps == 1 else merge_train_results(results)
