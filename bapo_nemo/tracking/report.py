@@ -1,0 +1,249 @@
+"""Training-dynamics report for several MLflow runs side by side: the BAPO paper's panels (reward, entropy,
+positive contribution rho, clip bounds, grad norm, response length, held-out accuracy) as one PNG and
+one self-contained HTML page (images inlined as base64, a table of key params and final metrics).
+
+Metric names are the embedded trainer's; NeMo-RL v0.7.0's names (``train/`` and ``validation/``
+prefixes, its own spellings) are accepted through ``ALIASES``: the first name a run has is used.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
+ALIASES: dict[str, list[str]] = {
+    "reward/mean": ["reward/mean", "train/reward", "reward"],
+    "entropy": ["entropy", "train/entropy", "train/approx_entropy"],
+    "bapo/rho": ["bapo/rho", "train/bapo/rho"],
+    "bapo/rho_initial": ["bapo/rho_initial", "train/bapo/rho_initial"],
+    "bapo/c_low": ["bapo/c_low", "train/bapo/c_low"],
+    "bapo/c_high": ["bapo/c_high", "train/bapo/c_high"],
+    "grad_norm": ["grad_norm", "train/grad_norm"],
+    "response_length/mean": ["response_length/mean", "train/response_length_mean",
+                             "train/mean_gen_tokens_per_sample"],
+    "heldout/avg@k": ["heldout/avg@k", "eval/avg_at_k", "validation/accuracy"],
+}
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    metrics: tuple[str, ...]  # canonical names drawn in this panel
+    ylabel: str
+    optional: bool = False  # drawn only when some run has it
+
+
+PANELS = [
+    Panel("Training reward", ("reward/mean",), "mean reward"),
+    Panel("Held-out accuracy", ("heldout/avg@k",), "avg@k", optional=True),
+    Panel("Policy entropy", ("entropy",), "nats / token"),
+    Panel("Positive contribution rho", ("bapo/rho", "bapo/rho_initial"), "P / (P + N)"),
+    Panel("Clip bounds", ("bapo/c_low", "bapo/c_high"), "ratio bound"),
+    Panel("Gradient norm", ("grad_norm",), "global L2 norm"),
+    Panel("Response length", ("response_length/mean",), "tokens"),
+]
+_STYLES = {"bapo/rho_initial": ":", "bapo/c_low": "--"}  # second series of a panel
+
+KEY_PARAMS = ["bapo.enabled", "bapo.rho0", "bapo.order", "bapo.measure", "bapo.granularity", "bapo.c_low_min",
+              "bapo.c_low_max", "bapo.c_high_min", "bapo.c_high_max", "bapo.dual_clip", "optim.lr",
+              "train.updates_per_batch", "policy.model_name", "ratio_clip_min", "ratio_clip_max"]
+
+
+class ReportError(ValueError):
+    """Unknown experiment or run; the message lists what exists."""
+
+
+@dataclass
+class RunData:
+    run_id: str
+    name: str
+    status: str
+    params: dict[str, str]
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # canonical -> (step, value)
+    source_names: dict[str, str] = field(default_factory=dict)  # canonical -> the run's metric name
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.run_id[:8]})"
+
+    def final(self, canonical: str) -> float | None:
+        points = self.series.get(canonical)
+        return points[-1][1] if points else None
+
+
+def find_experiment(client, name: str):
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None or experiment.lifecycle_stage == "deleted":
+        names = sorted(e.name for e in client.search_experiments())
+        raise ReportError(f"no MLflow experiment named {name!r} at {client.tracking_uri}; experiments there: "
+                          f"{', '.join(names) if names else '(none)'}")
+    return experiment
+
+
+def select_runs(client, experiment, wanted: list[str] | None, max_runs: int = 1000):
+    """Runs of the experiment, newest first; ``wanted`` picks by run id or run name (in the given order)."""
+    runs = client.search_runs([experiment.experiment_id], max_results=max_runs, order_by=["attributes.start_time DESC"])
+    if not runs:
+        raise ReportError(f"experiment {experiment.name!r} has no runs")
+    if not wanted:
+        return runs
+    chosen, unknown = [], []
+    for key in wanted:
+        matches = [r for r in runs if r.info.run_id == key or r.info.run_name == key]
+        if not matches:
+            unknown.append(key)
+        elif len(matches) > 1 and matches[0].info.run_id != key:
+            raise ReportError(f"run name {key!r} is ambiguous in {experiment.name!r}: "
+                              f"{', '.join(r.info.run_id for r in matches)}; pass a run id")
+        else:
+            chosen.append(matches[0])
+    if unknown:
+        listing = "; ".join(f"{r.info.run_name} ({r.info.run_id})" for r in runs[:50])
+        raise ReportError(f"no run {', '.join(map(repr, unknown))} in experiment {experiment.name!r}; runs there: {listing}")
+    return chosen
+
+
+def load_run(client, run) -> RunData:
+    data = RunData(run.info.run_id, run.info.run_name or run.info.run_id, run.info.status, dict(run.data.params))
+    available = set(run.data.metrics)
+    for canonical, names in ALIASES.items():
+        name = next((n for n in names if n in available), None)
+        if name is None:
+            continue
+        history = client.get_metric_history(run.info.run_id, name)
+        points = sorted({(m.step, m.value) for m in history if not math.isnan(m.value)}, key=lambda p: p[0])
+        data.series[canonical], data.source_names[canonical] = points, name
+    return data
+
+
+def key_params(params: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for suffix in KEY_PARAMS:
+        for key, value in params.items():
+            if key == suffix or key.endswith("." + suffix):
+                out[suffix] = value
+                break
+    return out
+
+
+def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
+    panels = [p for p in PANELS if not p.optional or any(r.series.get(m) for r in runs for m in p.metrics)]
+    cols = 4 if len(panels) > 6 else 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, panel in zip(axes.flat, panels):
+        drawn = False
+        for i, run in enumerate(runs):
+            for metric in panel.metrics:
+                points = run.series.get(metric)
+                if not points:
+                    continue
+                steps, values = zip(*points)
+                suffix = "" if len(panel.metrics) == 1 else f" {metric.split('/')[-1]}"
+                ax.plot(steps, values, _STYLES.get(metric, "-"), color=colours[i % len(colours)],
+                        marker="o" if len(points) < 15 else None, markersize=3, label=f"{run.label}{suffix}")
+                drawn = True
+        ax.set_title(panel.title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes,
+                    color="grey")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8,
+               bbox_to_anchor=(0.5, -0.02 - 0.03 * math.ceil(len(labels) / 4)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return panels
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return html.escape(str(value))
+
+
+def render_html(experiment_name: str, runs: list[RunData], png: Path, tracking_uri: str) -> str:
+    image = base64.b64encode(png.read_bytes()).decode()
+    params = [key_params(r.params) for r in runs]
+    param_names = [k for k in KEY_PARAMS if any(k in p for p in params)]
+    final_names = [c for c in ALIASES if any(r.series.get(c) for r in runs)]
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in ["run", "run id", "status", *param_names,
+                                                           *(f"final {c}" for c in final_names)])
+    rows = []
+    for run, p in zip(runs, params):
+        cells = [run.name, run.run_id, run.status, *(p.get(k) for k in param_names),
+                 *(run.final(c) for c in final_names)]
+        rows.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
+    sources = sorted({f"{c} &larr; {n}" for r in runs for c, n in r.source_names.items() if c != n})
+    alias_note = f"<p>Metric names mapped: {', '.join(sources)}</p>" if sources else ""
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>BAPO report: {html.escape(experiment_name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}th{{background:#f3f3f3}}img{{max-width:100%}}</style>
+</head><body>
+<h1>Training dynamics: {html.escape(experiment_name)}</h1>
+<p>{len(runs)} runs from <code>{html.escape(tracking_uri)}</code>.</p>
+<img alt="training dynamics" src="data:image/png;base64,{image}">
+<h2>Runs</h2>
+<table><thead><tr>{head}</tr></thead><tbody>
+{chr(10).join(rows)}
+</tbody></table>
+{alias_note}
+</body></html>
+"""
+
+
+@dataclass
+class ReportResult:
+    png: Path
+    html: Path
+    runs: list[RunData]
+
+
+def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None, out_dir: str | Path,
+                 log_to_runs: bool = True, progress: bool = True) -> ReportResult:
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri  # noqa: PLC0415
+
+    client = MlflowClient(check_tracking_uri(tracking_uri))
+    experiment = find_experiment(client, experiment_name)
+    selected = select_runs(client, experiment, runs)
+    data = [load_run(client, r) for r in tqdm(selected, desc="reading runs", disable=not progress)]
+    if not any(d.series for d in data):
+        raise ReportError(f"none of the selected runs of {experiment_name!r} logged any of: {', '.join(ALIASES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / "training_dynamics.png"
+    plot_panels(data, png)
+    page = out / "report.html"
+    page.write_text(render_html(experiment_name, data, png, tracking_uri))
+    if log_to_runs:
+        for run in tqdm(data, desc="logging report to runs", disable=not progress):
+            client.log_artifact(run.run_id, str(png), "report")
+            client.log_artifact(run.run_id, str(page), "report")
+    return ReportResult(png, page, data)

@@ -1,0 +1,39 @@
+"""`bapo-nemo report --experiment NAME [--runs RUN_ID_OR_NAME ...] [--tracking-uri URI] [--out DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experiment", required=True, help="MLflow experiment name")
+    parser.add_argument("--runs", nargs="+", metavar="RUN_ID_OR_NAME",
+                        help="runs to compare, by id or name (default: every run of the experiment)")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="sqlite:///path/mlflow.db or http://host:port (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--out", help="output directory (default: ./bapo_report_<experiment>)")
+    parser.add_argument("--no-log", action="store_true", help="do not log the report back to the runs")
+
+
+def main(args: argparse.Namespace) -> int:
+    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError  # noqa: PLC0415
+    from bapo_nemo.tracking.report import ReportError, build_report  # noqa: PLC0415
+
+    if not args.tracking_uri:
+        print("bapo-nemo report: error: no tracking URI: pass --tracking-uri (e.g. sqlite:///runs/x/mlflow.db) "
+              "or set MLFLOW_TRACKING_URI", file=sys.stderr)
+        return 2
+    out = args.out or f"bapo_report_{''.join(c if c.isalnum() or c in '-_.' else '_' for c in args.experiment)}"
+    try:
+        result = build_report(args.tracking_uri, args.experiment, args.runs, out, log_to_runs=not args.no_log)
+    except (ReportError, TrackingConfigError) as exc:
+        print(f"bapo-nemo report: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{len(result.runs)} runs: {', '.join(r.label for r in result.runs)}")
+    print(f"wrote {result.png}")
+    print(f"wrote {result.html}")
+    if not args.no_log:
+        print("logged both to each run under artifacts/report/")
+    return 0
