@@ -1,1 +1,18 @@
+"""MLflow tracking for both runtimes (embedded trainer and NeMo-RL), and the experiment report.
 
+- `mlflow_tracker.MlflowTracker`: one run, written through an fsync'd local journal (outage-proof).
+- `tags.default_tags` / `tags.config_hash`: reproducibility tags (git, config hash, image, Slurm, host).
+- `nemo_rl.prepare_logger_config` / `nemo_rl.after_setup`: configure NeMo-RL v0.7.0's MLflowLogger.
+- `report` / `report_cli`: `bapo-nemo report`, the training-dynamics panels of several runs.
+"""
+
+from bapo_nemo.tracking.mlflow_tracker import (
+    MlflowTracker,
+    TrackingConfigError,
+    TrackingUnavailableError,
+    check_tracking_uri,
+)
+from bapo_nemo.tracking.tags import config_hash, default_tags
+
+__all__ = ["MlflowTracker", "TrackingConfigError", "TrackingUnavailableError", "check_tracking_uri",
+           "config_hash", "default_tags"]
