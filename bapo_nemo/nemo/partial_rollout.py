@@ -1,0 +1,723 @@
+"""Partial rollouts in NeMo-RL v0.7.0's synchronous GRPO loop (`grpo_train`).
+
+How it plugs in (no fork): `install_partial_rollouts(master_config)` is called by the driver before
+`setup()`. It sets `policy.generation.max_new_tokens` to the per-iteration `token_budget` (the generation
+workers read it as vLLM's `max_tokens`) and replaces the module-level name
+`nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper. After `setup()` the driver calls
+`hook.attach(policy, checkpointer)`: `policy.train` then counts policy versions and every checkpoint gets a
+`partial_rollouts.json` with the in-flight segments (NeMo-RL issue #3594 is the upstream gap).
+
+Each time grpo_train asks for rollouts of a step's batch (P prompts x G samples, `repeat_interleave`d):
+  1. the P prompts (whole dataloader rows, JSON-encoded) are queued in our `PartialRolloutManager`;
+  2. segment iterations run until P prompt groups are complete: every unfinished response is continued
+     from prompt + its tokens so far, at most `token_budget` new tokens per iteration, each token keeping
+     the behaviour log-prob and the policy version that produced it;
+  3. the oldest P complete groups are rebuilt as a batch with grpo_train's shape: P*G rows, group g in rows
+     [g*G, (g+1)*G) -- the same blocks grpo_train's own baseline/std code groups by (it groups by the
+     step's original prompt tokens, which are constant on each block of G rows);
+  4. that batch goes through the ORIGINAL `run_multi_turn_rollout` with a replay generation backend that
+     returns the finished responses: rewards, environment observations, truncation flags and metrics are
+     computed by upstream code, and each response becomes one assistant message whose
+     `generation_logprobs` are its per-token behaviour log-probs (segment by segment);
+  5. with `stale_segments: exclude`, the tokens sampled by older policies are split into an assistant
+     message without `generation_logprobs`, which grpo_train masks out of the loss.
+Validation runs (grpo's `validate`) are generated to completion in budget-sized segments of one policy.
+
+Everything that touches NeMo-RL objects is imported lazily; the conversion helpers work on plain dicts and
+tensors shaped like v0.7.0's (`GenerationDatumSpec`, `GenerationOutputSpec`, message logs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bapo_nemo.rollout import (
+    GenerationChunk,
+    PartialRolloutConfig,
+    PartialRolloutManager,
+    PromptItem,
+    Rollout,
+    RolloutGroup,
+)
+
+STATE_FILE = "partial_rollouts.json"
+HOOK_STATE_FORMAT_VERSION = 1
+_TENSOR_TAG = "__tensor__"
+
+
+class PartialRolloutSetupError(ValueError):
+    """The NeMo-RL config cannot run partial rollouts as set; the message names the key and the fix."""
+
+
+# ---- config access (MasterConfig is a pydantic model with dict-typed sections; drivers may pass dicts) ----
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    value = getattr(obj, key, default)
+    return default if value is None and default is not None else value
+
+
+def uses_async_rollouts(generation_cfg: Mapping) -> bool:
+    """Mirror of v0.7.0 `grpo._should_use_async_rollouts` (which of the three rollout paths runs)."""
+    backend = generation_cfg.get("backend", "")
+    if backend == "sglang":
+        return bool(generation_cfg.get("use_async_rollouts", False))
+    if backend == "vllm":
+        return bool((generation_cfg.get("vllm_cfg") or {}).get("async_engine", False))
+    if backend == "megatron":
+        return bool((generation_cfg.get("mcore_generation_config") or {}).get("async_engine", False))
+    return False
+
+
+# ---- JSON encoding of dataloader rows (they are checkpointed with the in-flight segments) -------------
+def _encode_value(value: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {_TENSOR_TAG: value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, Mapping):
+        return {str(k): _encode_value(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise PartialRolloutSetupError(
+        f"partial rollouts checkpoint every queued prompt row as JSON, but batch field {where} holds a "
+        f"{type(value).__name__}; multimodal rows (images, audio) are not supported with partial_rollouts"
+    )
+
+
+def _decode_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR_TAG in value:
+            return torch.tensor(value[_TENSOR_TAG], dtype=getattr(torch, value["dtype"]))
+        return {k: _decode_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_value(v) for v in value]
+    return value
+
+
+def encode_row(batch: Mapping, index: int) -> dict:
+    """Row `index` of a batch (tensor columns sliced, list columns indexed) as JSON-safe data."""
+    row = {}
+    for key, column in batch.items():
+        if isinstance(column, torch.Tensor):
+            row[key] = {"column": "tensor", "value": _encode_value(column[index], key)}
+        else:
+            row[key] = {"column": "list", "value": _encode_value(column[index], key)}
+    return row
+
+
+def decode_rows(rows: list[dict]) -> dict[str, Any]:
+    """Columns rebuilt from encoded rows: tensor columns stacked, list columns as lists."""
+    if not rows:
+        return {}
+    columns: dict[str, Any] = {}
+    for key, spec in rows[0].items():
+        values = [_decode_value(r[key]["value"]) for r in rows]
+        columns[key] = torch.stack(values) if spec["column"] == "tensor" else values
+    return columns
+
+
+def prompt_token_ids(message_log: list[Mapping]) -> list[int]:
+    """The prompt as generation sees it: every message's token_ids, concatenated."""
+    return [int(t) for m in message_log for t in m["token_ids"].tolist()]
+
+
+def check_prompt_blocks(batch: Mapping, group_size: int) -> int:
+    """Number of prompts P in a `repeat_interleave(G)`d batch; each block of G rows must hold one prompt."""
+    message_logs = batch["message_log"]
+    n = len(message_logs)
+    if n % group_size:
+        raise ValueError(
+            f"rollout batch has {n} rows, not a multiple of grpo.num_generations_per_prompt={group_size}"
+        )
+    for start in range(0, n, group_size):
+        first = prompt_token_ids(message_logs[start])
+        for r in range(start + 1, start + group_size):
+            if prompt_token_ids(message_logs[r]) != first:
+                raise ValueError(
+                    f"rows {start} and {r} of the rollout batch hold different prompts: partial rollouts expect "
+                    "grpo_train's repeat_interleave(num_generations_per_prompt) layout"
+                )
+    return n // group_size
+
+
+# ---- generation: segments through the real backend, replay of finished responses ---------------------
+def generation_inputs(contexts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`GenerationDatumSpec` tensors: right-padded input_ids [n, max_len] and input_lengths [n]."""
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+    width = max(len(c) for c in contexts)
+    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    for i, c in enumerate(contexts):
+        input_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    return input_ids, lengths
+
+
+def chunks_from_generation_outputs(
+    outputs: Mapping, input_lengths: list[int], max_new_tokens: int
+) -> list[GenerationChunk]:
+    """`GenerationOutputSpec` -> one GenerationChunk per row. The generated tokens of row i are
+    output_ids[i, input_len:unpadded_len] with their log-probs at the same positions. A row ended
+    (finished) unless `truncated` says it hit max_tokens; tokens past `max_new_tokens` are cut off."""
+    output_ids, logprobs = outputs["output_ids"], outputs["logprobs"]
+    unpadded = outputs["unpadded_sequence_lengths"]
+    truncated = outputs.get("truncated")
+    chunks = []
+    for i, start in enumerate(input_lengths):
+        end = int(unpadded[i])
+        tokens = [int(t) for t in output_ids[i, start:end].tolist()]
+        lps = [float(x) for x in logprobs[i, start:end].tolist()]
+        finished = (not bool(truncated[i])) if truncated is not None else len(tokens) < max_new_tokens
+        if len(tokens) > max_new_tokens:
+            tokens, lps, finished = tokens[:max_new_tokens], lps[:max_new_tokens], False
+        chunks.append(GenerationChunk(tokens, lps, finished))
+    return chunks
+
+
+def replay_generation_outputs(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, rollouts: list[Rollout], pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """`GenerationOutputSpec` tensors for finished rollouts, as if generated in one call: output_ids =
+    prompt + response (right-padded), logprobs 0 on the prompt, `truncated` from our length caps."""
+    in_lens = [int(x) for x in input_lengths]
+    totals = [n + len(r.response_token_ids) for n, r in zip(in_lens, rollouts)]
+    width = max(max(totals), input_ids.shape[1])
+    output_ids = torch.full((len(rollouts), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(rollouts), width), dtype=torch.float32)
+    for i, (n, r) in enumerate(zip(in_lens, rollouts)):
+        output_ids[i, :n] = input_ids[i, :n]
+        output_ids[i, n : totals[i]] = torch.tensor(r.response_token_ids, dtype=torch.long)
+        logprobs[i, n : totals[i]] = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
+    return {
+        "output_ids": output_ids,
+        "logprobs": logprobs,
+        "generation_lengths": torch.tensor([len(r.response_token_ids) for r in rollouts], dtype=torch.long),
+        "unpadded_sequence_lengths": torch.tensor(totals, dtype=torch.long),
+        "truncated": torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
+    }
+
+
+class ReplayGeneration:
+    """Generation backend that hands back responses already generated segment by segment. Used only for
+    the single `generate` call inside the original `run_multi_turn_rollout` (max_rollout_turns=1)."""
+
+    def __init__(self, rollouts: list[Rollout], pad_token_id: int, wrap: Callable[[dict], Any] = dict):
+        self.rollouts, self.pad_token_id, self.wrap = rollouts, pad_token_id, wrap
+        self.calls = 0
+
+    def generate(self, data: Mapping, greedy: bool = False) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError(
+                "ReplayGeneration serves one generation turn; partial rollouts are single-turn"
+            )
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        if len(input_ids) != len(self.rollouts):
+            raise RuntimeError(f"replay got {len(input_ids)} rows for {len(self.rollouts)} finished rollouts")
+        for i, r in enumerate(self.rollouts):
+            got = input_ids[i, : int(input_lengths[i])].tolist()
+            if got != r.prompt_token_ids:
+                raise RuntimeError(
+                    f"replay row {i}: the batch's prompt differs from rollout {r.prompt_id}'s prompt"
+                )
+        return self.wrap(
+            replay_generation_outputs(input_ids, input_lengths, self.rollouts, self.pad_token_id)
+        )
+
+
+def exclude_stale_prefix(message_log: list[dict], assistant_index: int, num_stale: int) -> None:
+    """Split the generated assistant message so its first `num_stale` tokens (sampled by older policies)
+    carry no `generation_logprobs`: grpo's `add_grpo_token_loss_masks_and_generation_logprobs` then
+    gives them token_loss_mask 0. The full text stays on the trainable (last) part, so environments that
+    join or read the last assistant message see the whole response."""
+    if num_stale <= 0:
+        return
+    message = message_log[assistant_index]
+    if message.get("role") != "assistant" or "generation_logprobs" not in message:
+        raise RuntimeError(f"message {assistant_index} is not the generated assistant message")
+    tokens, lps = message["token_ids"], message["generation_logprobs"]
+    stale = {"role": "assistant", "content": "", "token_ids": tokens[:num_stale]}
+    fresh = dict(message, token_ids=tokens[num_stale:], generation_logprobs=lps[num_stale:])
+    message_log[assistant_index : assistant_index + 1] = [stale, fresh]
+
+
+# ---- the hook ---------------------------------------------------------------------------------------
+class PartialRolloutHook:
+    """Driver-side state of partial rollouts for one grpo_train run (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: PartialRolloutConfig,
+        group_size: int,
+        prompts_per_step: int,
+        response_cap: int,
+        max_seq_len: int = 2**31 - 1,
+        prefill_batches: int = 1,
+    ):
+        self.config = config
+        self.group_size = group_size
+        self.prompts_per_step = prompts_per_step
+        self.response_cap = response_cap
+        self.max_seq_len = max_seq_len
+        self.prefill_batches = prefill_batches
+        self.prefilled = False
+        self.manager = PartialRolloutManager(config, group_size)
+        self.policy_version = 0
+        self.batches_seen = 0
+        self.stop_strings: list[str] = []
+        self._in_validation = False
+        self._restore: list[Callable[[], None]] = []
+
+    # ---- the wrapped grpo names ------------------------------------------------------------------------
+    def make_rollout_wrapper(self, original: Callable) -> Callable:
+        def run_multi_turn_rollout(
+            policy_generation,
+            input_batch,
+            tokenizer,
+            task_to_env,
+            max_seq_len,
+            max_rollout_turns=999999,
+            greedy=False,
+        ):
+            if self._in_validation:
+                return self.validation_rollout(
+                    original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+                )
+            return self.training_rollout(
+                original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+            )
+
+        run_multi_turn_rollout.__wrapped__ = original  # type: ignore[attr-defined]
+        return run_multi_turn_rollout
+
+    def make_validate_wrapper(self, original: Callable) -> Callable:
+        def validate(*args, **kwargs):
+            self._in_validation = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._in_validation = False
+
+        validate.__wrapped__ = original  # type: ignore[attr-defined]
+        return validate
+
+    # ---- rollouts --------------------------------------------------------------------------------------
+    def training_rollout(
+        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+    ):
+        num_prompts = check_prompt_blocks(input_batch, self.group_size)
+        self.admit_batch(input_batch, stride=self.group_size, max_seq_len=max_seq_len)
+
+        generate_fn = self.segment_generate_fn(policy_generation, tokenizer, greedy)
+        iterations = self._generate_until(num_prompts, generate_fn)
+        groups = self.manager.take_completed(self.policy_version, max_groups=num_prompts)
+
+        batch = self.rebuild_batch(groups, _batch_class())
+        rollouts = [r for g in groups for r in g.rollouts]
+        replay = ReplayGeneration(rollouts, tokenizer.pad_token_id, wrap=_batch_class())
+        final_batch, metrics = original(
+            policy_generation=replay,
+            input_batch=batch,
+            tokenizer=tokenizer,
+            task_to_env=task_to_env,
+            max_seq_len=max_seq_len,
+            max_rollout_turns=1,
+            greedy=greedy,
+        )
+        if self.config.stale_segments == "exclude":
+            self.apply_exclusion(final_batch, rollouts)
+        metrics.update(self.manager.stats(self.policy_version))
+        metrics["rollout/segment_iterations"] = float(iterations)
+        metrics["rollout/policy_version"] = float(self.policy_version)
+        return final_batch, metrics
+
+    def admit_batch(self, batch: Mapping, stride: int = 1, max_seq_len: int | None = None) -> int:
+        """Queue the prompts of a dataloader batch (one every `stride` rows: stride G for grpo_train's
+        repeated batch, 1 for a raw dataloader batch). Returns how many were queued."""
+        max_seq_len = self.max_seq_len if max_seq_len is None else max_seq_len
+        prompts = []
+        for p, row in enumerate(range(0, len(batch["message_log"]), stride)):
+            tokens = prompt_token_ids(batch["message_log"][row])
+            prompts.append(
+                PromptItem(
+                    prompt_id=f"{self.batches_seen}:{p}",
+                    token_ids=tokens,
+                    meta={"row": encode_row(batch, row)},
+                    max_response_tokens=self._cap_for(tokens, max_seq_len),
+                )
+            )
+            self._remember_stop_strings(batch, row)
+        self.batches_seen += 1
+        self.manager.add_prompts(prompts)
+        return len(prompts)
+
+    def wrap_dataloader(self, dataloader: Any) -> PrefillDataloader:
+        """The train dataloader for grpo_train: before the first step it moves `prefill_batches` batches
+        into the pool, so that more prompt groups are in flight than one step trains on."""
+        return PrefillDataloader(dataloader, self)
+
+    def validation_rollout(
+        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+    ):
+        """Validation answers are generated to completion (in budget-sized segments, one policy)."""
+        budget = self.config.token_budget
+        cfg = PartialRolloutConfig(
+            token_budget=budget,
+            max_resumptions=math.ceil(self.response_cap / budget),
+            max_response_tokens=self.response_cap,
+        )
+        manager = PartialRolloutManager(cfg, group_size=1)
+        logs = input_batch["message_log"]
+        manager.add_prompts(
+            [
+                PromptItem(str(i), prompt_token_ids(m), {}, self._cap_for(prompt_token_ids(m), max_seq_len))
+                for i, m in enumerate(logs)
+            ]
+        )
+        generate_fn = self.segment_generate_fn(
+            policy_generation, tokenizer, greedy, stop_strings=_stop_union(input_batch)
+        )
+        while manager.num_completed < len(logs):
+            manager.run_iteration(generate_fn, self.policy_version, max_groups=0)
+        groups = manager.take_completed(self.policy_version)  # admission order = row order
+        rollouts = [g.rollouts[0] for g in groups]
+        replay = ReplayGeneration(rollouts, tokenizer.pad_token_id, wrap=_batch_class())
+        return original(
+            replay,
+            input_batch,
+            tokenizer,
+            task_to_env,
+            max_seq_len=max_seq_len,
+            max_rollout_turns=1,
+            greedy=greedy,
+        )
+
+    def _cap_for(self, prompt_tokens: list[int], max_seq_len: int) -> int:
+        room = max_seq_len - len(prompt_tokens)
+        if room < 1:
+            raise PartialRolloutSetupError(
+                f"a prompt of {len(prompt_tokens)} tokens leaves no room in policy.max_total_sequence_length="
+                f"{max_seq_len}: raise it or filter long prompts"
+            )
+        return min(self.response_cap, room)
+
+    def _remember_stop_strings(self, batch: Mapping, row: int) -> None:
+        for s in (batch.get("stop_strings") or [None] * (row + 1))[row] or []:
+            if s not in self.stop_strings:
+                self.stop_strings.append(s)
+
+    def _generate_until(self, num_groups: int, generate_fn) -> int:
+        """One segment iteration per step (every in-flight response advances by at most token_budget
+        tokens), then more iterations of the same policy version only while fewer than `num_groups`
+        complete groups wait."""
+        iterations = 0
+        while iterations == 0 or self.manager.num_completed < num_groups:
+            self.manager.run_iteration(generate_fn, self.policy_version, max_groups=0)
+            iterations += 1
+            idle = self.manager.stats(self.policy_version)["rollout/sequences_last_iteration"] == 0
+            if idle and self.manager.num_completed < num_groups:
+                raise RuntimeError(
+                    f"partial rollouts cannot complete {num_groups} prompt groups: nothing is left to generate "
+                    f"({self.manager.num_completed} complete, {self.manager.num_in_flight} in flight, "
+                    f"{self.manager.num_pending} queued); check partial_rollouts.max_in_flight_groups"
+                )
+        return iterations
+
+    def segment_generate_fn(
+        self, policy_generation, tokenizer, greedy: bool, stop_strings: list[str] | None = None
+    ):
+        """generate_fn(contexts, max_new_tokens) over the real generation backend (vLLM/Megatron): one
+        `generate` call per segment iteration; the backend's max_new_tokens is the token budget."""
+        pad = tokenizer.pad_token_id
+        stops = stop_strings if stop_strings is not None else (list(self.stop_strings) or None)
+        wrap = _batch_class()
+
+        def generate_fn(contexts: list[list[int]], max_new_tokens: int) -> list[GenerationChunk]:
+            input_ids, input_lengths = generation_inputs(contexts, pad)
+            data = wrap(
+                {
+                    "input_ids": input_ids,
+                    "input_lengths": input_lengths,
+                    "stop_strings": [stops] * len(contexts),
+                }
+            )
+            outputs = policy_generation.generate(data, greedy=greedy)
+            return chunks_from_generation_outputs(outputs, input_lengths.tolist(), max_new_tokens)
+
+        return generate_fn
+
+    def rebuild_batch(self, groups: list[RolloutGroup], batch_cls: Callable[[dict], Any] = dict) -> Any:
+        """grpo_train's batch shape: G rows per group, group g in rows [g*G, (g+1)*G), dataloader columns
+        restored from the checkpointable row encoding (`batch_max_length` recomputed for the new rows)."""
+        rows = [r.meta["row"] for g in groups for r in g.rollouts]
+        columns = decode_rows(rows)
+        if "batch_max_length" in columns and "length" in columns:
+            columns["batch_max_length"] = torch.full_like(columns["length"], int(columns["length"].max()))
+        return batch_cls(columns)
+
+    def apply_exclusion(self, final_batch: Mapping, rollouts: list[Rollout]) -> None:
+        """stale_segments=exclude: mask tokens sampled by policies older than the current one."""
+        for i, r in enumerate(rollouts):
+            num_stale = sum(1 for v in r.token_versions if v < self.policy_version)
+            # the original run_multi_turn_rollout appends the response right after the prompt messages
+            assistant_index = len(r.meta["row"]["message_log"]["value"])
+            exclude_stale_prefix(final_batch["message_log"][i], assistant_index, num_stale)
+
+    # ---- versions and checkpoints -----------------------------------------------------------------------
+    def attach(self, policy: Any = None, checkpointer: Any = None) -> PartialRolloutHook:
+        """Count policy versions on `policy.train` and save/restore state with `checkpointer`'s checkpoints."""
+        if policy is not None:
+            train = policy.train
+
+            def counted_train(*args, **kwargs):
+                result = train(*args, **kwargs)
+                self.policy_version += 1
+                return result
+
+            policy.train = counted_train
+            self._restore.append(lambda: setattr(policy, "train", train))
+        if checkpointer is not None:
+            finalize = checkpointer.finalize_checkpoint
+
+            def finalize_with_rollouts(checkpoint_path, *args, **kwargs):
+                self.save(checkpoint_path)  # into tmp_step_N before it is renamed: saved atomically with it
+                return finalize(checkpoint_path, *args, **kwargs)
+
+            checkpointer.finalize_checkpoint = finalize_with_rollouts
+            self._restore.append(lambda: setattr(checkpointer, "finalize_checkpoint", finalize))
+            latest = checkpointer.get_latest_checkpoint_path()
+            if latest is not None:
+                if (Path(latest) / STATE_FILE).exists():
+                    self.load(latest)
+                else:
+                    warnings.warn(
+                        f"checkpoint {latest} has no {STATE_FILE}: partial rollouts start with nothing in flight",
+                        stacklevel=2,
+                    )
+        return self
+
+    def state_dict(self) -> dict:
+        return {
+            "format_version": HOOK_STATE_FORMAT_VERSION,
+            "policy_version": self.policy_version,
+            "batches_seen": self.batches_seen,
+            "prefilled": self.prefilled,
+            "stop_strings": list(self.stop_strings),
+            "response_cap": self.response_cap,
+            "manager": self.manager.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("format_version") != HOOK_STATE_FORMAT_VERSION:
+            raise ValueError(
+                f"{STATE_FILE}: format_version {state.get('format_version')!r}, expected {HOOK_STATE_FORMAT_VERSION}"
+            )
+        if state.get("response_cap") != self.response_cap:
+            raise ValueError(
+                f"{STATE_FILE}: response_cap {state.get('response_cap')!r} differs from this run's {self.response_cap} "
+                "(policy.generation.max_new_tokens or partial_rollouts.max_response_tokens changed): resume with the "
+                "same value, or delete the file to drop the in-flight responses"
+            )
+        self.manager.load_state_dict(state["manager"])
+        self.policy_version = int(state["policy_version"])
+        self.batches_seen = int(state["batches_seen"])
+        self.prefilled = bool(state.get("prefilled", False))
+        self.stop_strings = list(state.get("stop_strings", []))
+
+    def save(self, checkpoint_dir: str | os.PathLike) -> Path:
+        path = Path(checkpoint_dir) / STATE_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.state_dict()))
+        os.replace(tmp, path)
+        return path
+
+    def load(self, checkpoint_dir: str | os.PathLike) -> None:
+        path = Path(checkpoint_dir) / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read partial-rollout state {path}: {exc}") from None
+        try:
+            self.load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def uninstall(self) -> None:
+        """Undo every patch (grpo module names, policy.train, checkpointer.finalize_checkpoint)."""
+        while self._restore:
+            self._restore.pop()()
+
+
+class PrefillDataloader:
+    """Wraps grpo_train's StatefulDataLoader. Partial rollouts only carry responses over when more prompt
+    groups are in flight than a step trains on; grpo_train hands the hook exactly one step's prompts, so
+    before the first step this wrapper moves `prefill_batches` extra batches into the pool (once per run:
+    the flag is checkpointed). Those batches are trained on through the pool, so the first epoch yields
+    `prefill_batches` fewer steps; the pool then stays at (prefill_batches + 1) * num_prompts_per_step
+    groups. Everything else (len, state_dict, load_state_dict, ...) is the wrapped loader's."""
+
+    def __init__(self, dataloader: Any, hook: PartialRolloutHook):
+        self.dataloader, self.hook = dataloader, hook
+
+    def __iter__(self):
+        iterator = iter(self.dataloader)
+        if not self.hook.prefilled:
+            for _ in range(self.hook.prefill_batches):
+                batch = next(iterator, None)
+                if batch is None:
+                    break
+                self.hook.admit_batch(batch, stride=1)
+            self.hook.prefilled = True
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataloader, name)
+
+
+def _batch_class() -> Callable[[dict], Any]:
+    try:
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    except ImportError:  # CPU tests of the glue: plain dicts shaped like BatchedDataDict's columns
+        return dict
+    return BatchedDataDict
+
+
+def _stop_union(batch: Mapping) -> list[str] | None:
+    stops: list[str] = []
+    for row in batch.get("stop_strings") or []:
+        for s in row or []:
+            if s not in stops:
+                stops.append(s)
+    return stops or None
+
+
+# ---- install ---------------------------------------------------------------------------------------
+def check_partial_rollout_config(master_config: Any, partial: PartialRolloutConfig) -> list[str]:
+    """Why this NeMo-RL config cannot run partial rollouts (empty list: it can)."""
+    problems = []
+    grpo, policy, loss_fn = (
+        _get(master_config, "grpo", {}),
+        _get(master_config, "policy", {}),
+        _get(master_config, "loss_fn", {}),
+    )
+    generation = _get(policy, "generation") or {}
+    if _get(grpo, "max_rollout_turns", 1) != 1:
+        problems.append(
+            f"grpo.max_rollout_turns={_get(grpo, 'max_rollout_turns')}: partial rollouts are single-turn; set it to 1"
+        )
+    if _get(_get(grpo, "async_grpo", {}) or {}, "enabled", False):
+        problems.append(
+            "grpo.async_grpo.enabled=true: the async loop runs rollouts in AsyncTrajectoryCollector (a Ray actor) "
+            "that this hook cannot reach; use the sync loop (see docs/partial_rollouts.md)"
+        )
+    if _get(_get(master_config, "env", {}) or {}, "should_use_nemo_gym", False):
+        problems.append(
+            "env.should_use_nemo_gym=true: NeMo-Gym rollouts manage their own generation; disable it"
+        )
+    if uses_async_rollouts(generation):
+        problems.append(
+            "policy.generation uses an async engine (vllm_cfg.async_engine / mcore async_engine / "
+            "use_async_rollouts): grpo_train then calls run_async_multi_turn_rollout; set it to false"
+        )
+    if _get(_get(master_config, "data_plane", {}) or {}, "enabled", False):
+        problems.append(
+            "data_plane.enabled=true selects grpo_train_sync, which this hook does not wrap; disable it"
+        )
+    if partial.stale_segments == "downweight":
+        problems.append(
+            "partial_rollouts.stale_segments=downweight needs per-token loss weights, but grpo_train v0.7.0 builds "
+            "its train_data from a fixed key list (token_mask comes from a 0/1 token_loss_mask): use exclude or keep"
+        )
+    if partial.stale_segments == "keep" and not _get(loss_fn, "use_importance_sampling_correction", False):
+        problems.append(
+            "partial_rollouts.stale_segments=keep trains on tokens sampled by older policies: set "
+            "loss_fn.use_importance_sampling_correction=true (weights them by pi_prev/pi_behaviour) or use "
+            "stale_segments=exclude"
+        )
+    prompts_per_step = _get(grpo, "num_prompts_per_step", 0)
+    if partial.max_in_flight_groups is not None and partial.max_in_flight_groups < prompts_per_step:
+        problems.append(
+            f"partial_rollouts.max_in_flight_groups={partial.max_in_flight_groups} < grpo.num_prompts_per_step="
+            f"{prompts_per_step}: a step could never collect its groups"
+        )
+    if not generation:
+        problems.append("policy.generation is missing: GRPO needs a generation config")
+    return problems
+
+
+def install_partial_rollouts(
+    master_config: Any, partial_config: PartialRolloutConfig | Mapping | None = None, patch_grpo: bool = True
+) -> PartialRolloutHook:
+    """Turn on partial rollouts for `nemo_rl.algorithms.grpo.grpo_train` (call BEFORE `grpo.setup`).
+
+    `partial_config` defaults to the config's `partial_rollouts:` block. Sets
+    `policy.generation.max_new_tokens` to `token_budget` (the old value becomes the total response cap
+    unless `max_response_tokens` is given) and wraps `grpo.run_multi_turn_rollout` and `grpo.validate`.
+    Then call `hook.attach(policy, checkpointer)` after setup. Raises PartialRolloutSetupError listing
+    every incompatible setting.
+    """
+    if partial_config is None:
+        partial_config = _get(master_config, "partial_rollouts")
+        if partial_config is None:
+            raise PartialRolloutSetupError(
+                "no partial_rollouts: block in the config (e.g. partial_rollouts: {token_budget: 2048})"
+            )
+    prefill_batches = 1
+    if not isinstance(partial_config, PartialRolloutConfig):
+        block = dict(partial_config)
+        prefill_batches = block.pop("prefill_batches", 1)
+        if not isinstance(prefill_batches, int) or prefill_batches < 0:
+            raise PartialRolloutSetupError(
+                f"partial_rollouts.prefill_batches must be an int >= 0 (extra dataloader batches in flight), "
+                f"got {prefill_batches!r}"
+            )
+        partial_config = PartialRolloutConfig.parse(block)
+    problems = check_partial_rollout_config(master_config, partial_config)
+    if problems:
+        raise PartialRolloutSetupError(
+            "partial rollouts cannot run with this config:\n  " + "\n  ".join(problems)
+        )
+
+    grpo, policy = _get(master_config, "grpo"), _get(master_config, "policy")
+    generation = _get(policy, "generation")
+    original_max_new = int(generation["max_new_tokens"])
+    response_cap = partial_config.max_response_tokens or original_max_new
+    if partial_config.token_budget >= response_cap:
+        warnings.warn(
+            f"partial_rollouts.token_budget={partial_config.token_budget} >= the response cap {response_cap}: "
+            "no response is ever cut, partial rollouts change nothing",
+            stacklevel=2,
+        )
+    generation["max_new_tokens"] = partial_config.token_budget
+    hook = PartialRolloutHook(
+        partial_config,
+        group_size=int(_get(grpo, "num_generations_per_prompt")),
+        prompts_per_step=int(_get(grpo, "num_prompts_per_step")),
+        response_cap=response_cap,
+        max_seq_len=int(_get(policy, "max_total_sequence_length")),
+        prefill_batches=prefill_batches,
+    )
+    hook._restore.append(lambda: generation.__setitem__("max_new_tokens", original_max_new))
+    if patch_grpo:
+        import nemo_rl.algorithms.grpo as grpo_module
+
+        for name, make in (
+            ("run_multi_turn_rollout", hook.make_rollout_wrapper),
+            ("validate", hook.make_validate_wrapper),
+        ):
+            original = getattr(grpo_module, name)
+            setattr(grpo_module, name, make(original))
+            hook._restore.append(lambda name=name, original=original: setattr(grpo_module, name, original))
+    return hook

@@ -1,0 +1,608 @@
+"""The NeMo-RL v0.7.0 partial-rollout hook.
+
+CPU tests cover the glue on plain dicts/tensors shaped exactly like v0.7.0's structures at the boundary
+(`GenerationDatumSpec`, `GenerationOutputSpec`, rl_collate_fn rows after `repeat_interleave`, message
+logs). Tests marked `nemo_rl` run the hook through the real `nemo_rl.algorithms.grpo` module (patched
+`run_multi_turn_rollout`, real `calculate_rewards` with a Ray actor environment, real `BatchedDataDict`,
+`CheckpointManager`, loss-mask and baseline functions) inside nvcr.io/nvidia/nemo-rl:v0.7.0. In both, the
+generation backend is a fake at the vLLM boundary (no GPU here): `ToyGenerationBackend` answers
+`generate(data, greedy)` like vLLM's sync path, sampling from the seeded ToyPolicy with the backend's
+`max_new_tokens` as vLLM's `max_tokens`, and `truncated` = finish_reason "length".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from copy import deepcopy
+
+import pytest
+import torch
+from test_rollout_generators import ToyPolicy
+
+from bapo_nemo.nemo.partial_rollout import (
+    STATE_FILE,
+    PartialRolloutHook,
+    PartialRolloutSetupError,
+    ReplayGeneration,
+    check_partial_rollout_config,
+    check_prompt_blocks,
+    chunks_from_generation_outputs,
+    decode_rows,
+    encode_row,
+    exclude_stale_prefix,
+    generation_inputs,
+    install_partial_rollouts,
+)
+from bapo_nemo.rollout import PartialRolloutConfig, Rollout
+
+PAD = 99
+EOS = 0
+
+
+# ---- boundary pieces shaped after v0.7.0 ----------------------------------------------------------------
+class ToyGenerationBackend:
+    """Fake vLLM sync generation (the GPU boundary): same inputs/outputs as VllmGeneration.generate."""
+
+    def __init__(self, policy: ToyPolicy, max_new_tokens: int, pad_token_id: int = PAD, wrap=dict):
+        self.policy, self.max_new_tokens, self.pad, self.wrap = policy, max_new_tokens, pad_token_id, wrap
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, data, greedy: bool = False):
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        contexts = [input_ids[i, : int(n)].tolist() for i, n in enumerate(input_lengths)]
+        self.calls.append(contexts)
+        chunks = self.policy(contexts, self.max_new_tokens)
+        width = input_ids.shape[1] + self.max_new_tokens
+        output_ids = torch.full((len(contexts), width), self.pad, dtype=torch.long)
+        logprobs = torch.zeros((len(contexts), width))
+        for i, (ctx, ch) in enumerate(zip(contexts, chunks)):
+            output_ids[i, : len(ctx)] = torch.tensor(ctx)
+            output_ids[i, len(ctx) : len(ctx) + len(ch.token_ids)] = torch.tensor(
+                ch.token_ids, dtype=torch.long
+            )
+            logprobs[i, len(ctx) : len(ctx) + len(ch.token_ids)] = torch.tensor(ch.logprobs)
+        return self.wrap(
+            {
+                "output_ids": output_ids,
+                "logprobs": logprobs,
+                "generation_lengths": torch.tensor([len(c.token_ids) for c in chunks]),
+                "unpadded_sequence_lengths": torch.tensor(
+                    [len(x) + len(c.token_ids) for x, c in zip(contexts, chunks)]
+                ),
+                "truncated": torch.tensor([not c.finished for c in chunks]),
+            }
+        )
+
+
+def _datum(idx: int, prompt: list[int]) -> dict:
+    """One dataset row as v0.7.0's math data processor builds it (DatumSpec)."""
+    return {
+        "message_log": [
+            {"role": "system", "content": "sys", "token_ids": torch.tensor(prompt[:1])},
+            {"role": "user", "content": f"q{idx}", "token_ids": torch.tensor(prompt[1:])},
+        ],
+        "length": len(prompt),
+        "extra_env_info": {"ground_truth": str(idx)},
+        "loss_multiplier": 1.0,
+        "idx": idx,
+        "task_name": "math",
+        "stop_strings": None,
+    }
+
+
+def _collate(data: list[dict]) -> dict:
+    """Columns as v0.7.0 `rl_collate_fn` returns them."""
+    length = torch.tensor([d["length"] for d in data])
+    return {
+        "message_log": [d["message_log"] for d in data],
+        "length": length,
+        "loss_multiplier": torch.tensor([d["loss_multiplier"] for d in data]),
+        "extra_env_info": [d["extra_env_info"] for d in data],
+        "task_name": [d["task_name"] for d in data],
+        "idx": [d["idx"] for d in data],
+        "batch_max_length": torch.ones_like(length) * length.max(),
+        "stop_strings": [d["stop_strings"] for d in data],
+    }
+
+
+def _repeat_interleave(batch: dict, g: int) -> dict:
+    """v0.7.0 BatchedDataDict.repeat_interleave on plain columns (list items deep-copied)."""
+    return {
+        k: v.repeat_interleave(g, dim=0)
+        if isinstance(v, torch.Tensor)
+        else [deepcopy(x) for x in v for _ in range(g)]
+        for k, v in batch.items()
+    }
+
+
+def _grpo_loss_masks(message_log: list[dict]) -> list[int]:
+    """v0.7.0 add_grpo_token_loss_masks_and_generation_logprobs, flattened: 1 for generated assistant
+    tokens (messages carrying generation_logprobs), else 0."""
+    mask = []
+    for m in message_log:
+        on = m["role"] == "assistant" and "generation_logprobs" in m
+        mask += [int(on)] * len(m["token_ids"])
+    return mask
+
+
+def _standin_single_turn_rollout(
+    policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns=1, greedy=False
+):
+    """CPU stand-in for v0.7.0 run_multi_turn_rollout with one turn (NeMo-RL does not import on this
+    Python): flat prompts -> generate -> assistant message = output_ids[i, in:total] with
+    generation_logprobs -> reward from task_to_env -> total_reward, truncated. The real function runs in
+    the nemo_rl-marked tests below."""
+    logs = input_batch["message_log"]
+    contexts = [[int(t) for m in log for t in m["token_ids"].tolist()] for log in logs]
+    input_ids, input_lengths = generation_inputs(contexts, tokenizer.pad_token_id)
+    out = policy_generation.generate({"input_ids": input_ids, "input_lengths": input_lengths}, greedy=greedy)
+    for i, log in enumerate(logs):
+        n, total = int(input_lengths[i]), int(out["unpadded_sequence_lengths"][i])
+        log.append(
+            {
+                "role": "assistant",
+                "content": " ".join(map(str, out["output_ids"][i, n:total].tolist())),
+                "token_ids": out["output_ids"][i, n:total],
+                "generation_logprobs": out["logprobs"][i, n:total],
+            }
+        )
+    batch = dict(input_batch)
+    batch["total_reward"] = torch.tensor([task_to_env(log) for log in logs], dtype=torch.float32)
+    batch["truncated"] = out["truncated"].clone()
+    return batch, {"mean_gen_tokens_per_sample": float(out["generation_lengths"].float().mean())}
+
+
+class _Tok:
+    pad_token_id = PAD
+
+
+# ---- glue on v0.7.0-shaped data (CPU) ------------------------------------------------------------------
+def test_rows_round_trip_through_json_with_their_dtypes():
+    batch = _repeat_interleave(_collate([_datum(0, [5, 6, 7]), _datum(1, [5, 8])]), 2)
+    rows = [json.loads(json.dumps(encode_row(batch, i))) for i in range(4)]
+    back = decode_rows(rows)
+    assert set(back) == set(batch)
+    for key in ("length", "loss_multiplier", "batch_max_length"):
+        assert torch.equal(back[key], batch[key]) and back[key].dtype == batch[key].dtype
+    assert back["extra_env_info"] == batch["extra_env_info"] and back["idx"] == [0, 0, 1, 1]
+    for got, want in zip(back["message_log"], batch["message_log"]):
+        assert [m["role"] for m in got] == [m["role"] for m in want]
+        assert all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in zip(got, want))
+    bad = dict(batch, images=[object()] * 4)
+    with pytest.raises(PartialRolloutSetupError, match="batch field images holds a object"):
+        encode_row(bad, 0)
+
+
+def test_prompt_blocks_follow_repeat_interleave():
+    batch = _repeat_interleave(_collate([_datum(0, [5, 6]), _datum(1, [5, 8])]), 3)
+    assert check_prompt_blocks(batch, 3) == 2
+    with pytest.raises(ValueError, match="not a multiple of grpo.num_generations_per_prompt=4"):
+        check_prompt_blocks(batch, 4)
+    with pytest.raises(ValueError, match="rows 0 and 1 .* different prompts"):
+        check_prompt_blocks(_collate([_datum(0, [5, 6]), _datum(1, [5, 8])]), 2)
+
+
+def test_generation_tensors_match_the_v070_spec_example():
+    # GenerationDatumSpec: right-padded input_ids, input_lengths
+    input_ids, lengths = generation_inputs([[101, 2054, 2003], [101, 2054, 2003, 2001, 1996]], pad_token_id=0)
+    assert input_ids.tolist() == [[101, 2054, 2003, 0, 0], [101, 2054, 2003, 2001, 1996]]
+    assert lengths.tolist() == [3, 5]
+    # GenerationOutputSpec docstring example (interfaces.py): input 3 -> 4 generated; input 5 -> 2, truncated
+    outputs = {
+        "output_ids": torch.tensor(
+            [[101, 2054, 2003, 2023, 2003, 1037, 2200, 0], [101, 2054, 2003, 2001, 1996, 3014, 2005, 0]]
+        ),
+        "logprobs": torch.tensor(
+            [[0.0, 0.0, 0.0, -1.2, -0.8, -2.1, -1.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, -0.9, -1.7, 0.0]]
+        ),
+        "generation_lengths": torch.tensor([4, 2]),
+        "unpadded_sequence_lengths": torch.tensor([7, 7]),
+        "truncated": torch.tensor([False, True]),
+    }
+    a, b = chunks_from_generation_outputs(outputs, [3, 5], max_new_tokens=4)
+    assert a.token_ids == [2023, 2003, 1037, 2200] and a.finished
+    assert a.logprobs == pytest.approx([-1.2, -0.8, -2.1, -1.5])
+    assert b.token_ids == [3014, 2005] and not b.finished
+    # a backend that over-generates is cut to the requested size (and so not finished)
+    (cut,) = chunks_from_generation_outputs({k: v[:1] for k, v in outputs.items()}, [3], max_new_tokens=3)
+    assert cut.token_ids == [2023, 2003, 1037] and not cut.finished
+
+
+def _rollout(prompt, response, logprobs, versions, truncated=False) -> Rollout:
+    return Rollout(
+        prompt_id="p",
+        prompt_token_ids=prompt,
+        response_token_ids=response,
+        behavior_logprobs=logprobs,
+        token_versions=versions,
+        loss_weights=[1.0] * len(response),
+        num_segments=len(set(versions)),
+        segment_lengths=[],
+        meta={"truncated": truncated},
+    )
+
+
+def test_replay_outputs_slice_back_to_the_segments():
+    prompts = [[1, 2, 3], [4, 5]]
+    input_ids, lengths = generation_inputs(prompts, PAD)
+    rollouts = [
+        _rollout(prompts[0], [7, 8], [-0.5, -0.25], [0, 1]),
+        _rollout(prompts[1], [9, 10, 11, 0], [-1.0, -0.5, -0.125, -2.0], [1, 1, 2, 2], truncated=True),
+    ]
+    out = ReplayGeneration(rollouts, PAD).generate({"input_ids": input_ids, "input_lengths": lengths})
+    # output_ids: prompt then response, right-padded to max(3+2, 2+4) = 6
+    assert out["output_ids"].tolist() == [[1, 2, 3, 7, 8, PAD], [4, 5, 9, 10, 11, 0]]
+    assert out["unpadded_sequence_lengths"].tolist() == [5, 6]
+    assert out["generation_lengths"].tolist() == [2, 4]
+    assert out["truncated"].tolist() == [False, True]
+    # v0.7.0 generate_responses slices output_ids/logprobs[i, input_len:unpadded_len]
+    assert out["logprobs"][1, 2:6].tolist() == [-1.0, -0.5, -0.125, -2.0]
+    assert out["logprobs"][0, :3].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="replay row 0"):
+        ReplayGeneration(rollouts[::-1], PAD).generate({"input_ids": input_ids, "input_lengths": lengths})
+
+
+def test_exclude_splits_stale_tokens_out_of_the_loss_mask():
+    log = [
+        {"role": "user", "content": "q", "token_ids": torch.tensor([1, 2])},
+        {
+            "role": "assistant",
+            "content": "full answer",
+            "token_ids": torch.tensor([7, 8, 9, 10, 11]),
+            "generation_logprobs": torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5]),
+        },
+        {"role": "environment", "content": "ok", "token_ids": torch.tensor([3])},
+    ]
+    exclude_stale_prefix(log, assistant_index=1, num_stale=3)
+    assert [m["role"] for m in log] == ["user", "assistant", "assistant", "environment"]
+    assert log[1]["token_ids"].tolist() == [7, 8, 9] and "generation_logprobs" not in log[1]
+    assert log[2]["token_ids"].tolist() == [10, 11] and log[2][
+        "generation_logprobs"
+    ].tolist() == pytest.approx([-0.4, -0.5])
+    # environments joining the assistant contents still see the whole answer
+    assert "".join(m["content"] for m in log if m["role"] == "assistant") == "full answer"
+    # the same token sequence; the loss mask keeps only the 2 fresh tokens
+    assert [t for m in log for t in m["token_ids"].tolist()] == [1, 2, 7, 8, 9, 10, 11, 3]
+    assert _grpo_loss_masks(log) == [0, 0, 0, 0, 0, 1, 1, 0]
+
+
+def _master_config(**over) -> dict:
+    cfg = {
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_rollout_turns": 1},
+        "policy": {"max_total_sequence_length": 64, "generation": {"backend": "vllm", "max_new_tokens": 12}},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "env": {},
+        "partial_rollouts": {"token_budget": 4, "max_resumptions": 5},
+    }
+    for path, value in over.items():
+        section, key = path.split("__")
+        cfg[section][key] = value
+    return cfg
+
+
+def test_config_checks_name_every_problem():
+    cfg = _master_config(grpo__max_rollout_turns=3, loss_fn__use_importance_sampling_correction=False)
+    cfg["grpo"]["async_grpo"] = {"enabled": True}
+    cfg["policy"]["generation"]["vllm_cfg"] = {"async_engine": True}
+    problems = check_partial_rollout_config(cfg, PartialRolloutConfig(token_budget=4, max_in_flight_groups=1))
+    text = "\n".join(problems)
+    for needle in (
+        "grpo.max_rollout_turns=3",
+        "grpo.async_grpo.enabled",
+        "async engine",
+        "loss_fn.use_importance_sampling_correction",
+        "max_in_flight_groups=1 < grpo.num_prompts_per_step=2",
+    ):
+        assert needle in text
+    assert check_partial_rollout_config(_master_config(), PartialRolloutConfig(token_budget=4)) == []
+    downweight = PartialRolloutConfig(token_budget=4, stale_segments="downweight")
+    assert "downweight" in check_partial_rollout_config(_master_config(), downweight)[0]
+    with pytest.raises(PartialRolloutSetupError, match="grpo.max_rollout_turns=3"):
+        install_partial_rollouts(_master_config(grpo__max_rollout_turns=3), patch_grpo=False)
+
+
+def test_install_sets_the_budget_and_uninstall_restores():
+    cfg = _master_config()
+    hook = install_partial_rollouts(cfg, patch_grpo=False)
+    assert cfg["policy"]["generation"]["max_new_tokens"] == 4  # vLLM max_tokens per segment
+    assert hook.response_cap == 12 and hook.group_size == 2  # old max_new_tokens caps whole responses
+    hook.uninstall()
+    assert cfg["policy"]["generation"]["max_new_tokens"] == 12
+
+
+def _batches(n: int, first: int = 0) -> list[dict]:
+    """n dataloader batches of 2 prompts each (rl_collate_fn columns), prompt i = [5, i + 1]."""
+    return [
+        _collate([_datum(i, [5, i + 1]), _datum(i + 1, [5, i + 2])]) for i in range(first, first + 2 * n, 2)
+    ]
+
+
+def _run_steps(hook, backend, loader, steps, reward=lambda log: float(len(log[-1]["token_ids"]) % 2)):
+    """grpo_train's loop around the rollout: repeat_interleave(G), rollout, train (version + 1)."""
+    out = []
+    for batch in loader:
+        if len(out) == steps:
+            break
+        backend.policy.bind(hook.policy_version)
+        final, metrics = hook.training_rollout(
+            _standin_single_turn_rollout,
+            backend,
+            _repeat_interleave(batch, 2),
+            _Tok(),
+            reward,
+            max_seq_len=64,
+            greedy=False,
+        )
+        out.append((final, metrics))
+        hook.policy_version += 1  # what the attached policy.train does after each step
+    return out
+
+
+def test_hook_returns_grpo_shaped_batches_of_complete_groups():
+    cfg = _master_config()
+    hook = install_partial_rollouts(cfg, patch_grpo=False)
+    backend = ToyGenerationBackend(ToyPolicy(seed=5, vocab_size=4, eos_logit_bias=-1.5), max_new_tokens=4)
+    loader = hook.wrap_dataloader(_batches(5))
+    results = _run_steps(hook, backend, loader, steps=4)
+    # prefill (1 batch) + 4 steps of 2 prompts: 10 queued, 8 handed out, 2 groups still in the pool
+    m = hook.manager
+    assert hook.batches_seen == 5 and m.num_pending + m.num_in_flight + m.num_completed == 2
+    seen_versions = set()
+    for step, (final, metrics) in enumerate(results):
+        logs = final["message_log"]
+        assert len(logs) == 4  # P*G rows; G-row blocks of one prompt each
+        assert check_prompt_blocks({"message_log": [log[:-1] for log in logs]}, 2) == 2
+        assert final["idx"][0] == final["idx"][1] and final["idx"][2] == final["idx"][3]
+        for i, log in enumerate(logs):
+            msg = log[-1]
+            assert msg["role"] == "assistant" and len(msg["token_ids"]) <= 12
+            n = len(msg["token_ids"])
+            assert final["truncated"][i].item() == (n == 0 or msg["token_ids"][-1].item() != EOS)
+        assert metrics["rollout/policy_version"] == step
+        assert metrics["rollout/returned_groups"] == 2
+        seen_versions.add(metrics["rollout/staleness_max"])
+    # with a 4-token budget and 12-token responses some groups span several policy versions
+    assert max(seen_versions) >= 1
+    # each response is segments the backend produced from prompt + tokens so far, with their log-probs
+    for final, _ in results:
+        for log in final["message_log"]:
+            prompt = [t for m in log[:-1] for t in m["token_ids"].tolist()]
+            tokens, logprobs = log[-1]["token_ids"].tolist(), log[-1]["generation_logprobs"].tolist()
+            assert logprobs == pytest.approx(
+                _logprobs_from_segments(backend.policy, prompt, tokens), abs=1e-6
+            )
+
+
+def _logprobs_from_segments(policy: ToyPolicy, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Rebuild a response from the generator's log: the segment at position k must have been generated
+    from context prompt + tokens[:k] (possibly cut at the length cap)."""
+    out, pos = [], 0
+    while pos < len(tokens):
+        ctx = tuple(prompt + tokens[:pos])
+        seg = next(
+            (t, lp)
+            for _, c, t, lp, _ in policy.log
+            if c == ctx and t and t[: len(tokens) - pos] == tokens[pos : pos + len(t)]
+        )
+        take = min(len(seg[0]), len(tokens) - pos)
+        out += seg[1][:take]
+        pos += take
+    return out
+
+
+def test_hook_exclude_masks_tokens_of_older_policies():
+    cfg = _master_config()
+    cfg["partial_rollouts"]["stale_segments"] = "exclude"
+    hook = install_partial_rollouts(cfg, patch_grpo=False)
+    backend = ToyGenerationBackend(ToyPolicy(seed=8, vocab_size=4, eos_logit_bias=-2.0), max_new_tokens=4)
+    results = _run_steps(hook, backend, hook.wrap_dataloader(_batches(5)), steps=4)
+    masked_some = False
+    for step, (final, metrics) in enumerate(results):
+        for log in final["message_log"]:
+            mask = _grpo_loss_masks(log)
+            generated = [m for m in log if m["role"] == "assistant"]
+            total = sum(len(m["token_ids"]) for m in generated)
+            trainable = sum(mask)
+            # trainable tokens are exactly those sampled at this step's policy version (the last part):
+            # at most 4 per segment iteration run in this step
+            assert trainable == len(generated[-1]["token_ids"]) <= 4 * metrics["rollout/segment_iterations"]
+            masked_some |= trainable < total
+    assert masked_some
+
+
+def test_hook_state_survives_a_restart_mid_flight(tmp_path):
+    def run(restart_after: int | None):
+        cfg = _master_config()
+        hook = install_partial_rollouts(cfg, patch_grpo=False)
+        backend = ToyGenerationBackend(
+            ToyPolicy(seed=21, vocab_size=4, eos_logit_bias=-3.0), max_new_tokens=4
+        )
+        batches = _batches(6)
+        if restart_after is None:
+            return _run_steps(hook, backend, hook.wrap_dataloader(batches), 5)
+        first = _run_steps(hook, backend, hook.wrap_dataloader(batches), restart_after)
+        assert hook.manager.num_in_flight > 0
+        hook.save(tmp_path)
+        fresh = install_partial_rollouts(_master_config(), patch_grpo=False)
+        fresh.load(tmp_path)
+        assert fresh.policy_version == restart_after and fresh.prefilled
+        # the dataloader resumes after the prefill batch and the steps already taken
+        rest = fresh.wrap_dataloader(batches[1 + restart_after :])
+        return first + _run_steps(fresh, backend, rest, 5 - restart_after)
+
+    def tokens(results):
+        return [[log[-1]["token_ids"].tolist() for log in f["message_log"]] for f, _ in results]
+
+    assert tokens(run(2)) == tokens(run(None))
+    # an incompatible run is refused with the field named
+    other = _master_config()
+    other["partial_rollouts"]["token_budget"] = 3
+    hook = install_partial_rollouts(other, patch_grpo=False)
+    with pytest.raises(ValueError, match=rf"{STATE_FILE}: .*config\.token_budget"):
+        hook.load(tmp_path)
+
+
+def test_validation_is_generated_to_completion():
+    hook = PartialRolloutHook(
+        PartialRolloutConfig(token_budget=3), group_size=2, prompts_per_step=2, response_cap=10
+    )
+    backend = ToyGenerationBackend(ToyPolicy(seed=2, vocab_size=4, eos_logit_bias=-3.0), max_new_tokens=3)
+    batch = _collate([_datum(0, [5, 1]), _datum(1, [5, 2]), _datum(2, [5, 3])])
+    final, _ = hook.validation_rollout(
+        _standin_single_turn_rollout, backend, batch, _Tok(), lambda log: 0.0, max_seq_len=64, greedy=True
+    )
+    lengths = [len(log[-1]["token_ids"]) for log in final["message_log"]]
+    # each answer ends at EOS or at the 10-token cap, never at the 3-token segment budget
+    for log, n in zip(final["message_log"], lengths):
+        assert log[-1]["token_ids"][-1].item() == EOS or n == 10
+    assert max(lengths) > 3 and len(backend.calls) >= math.ceil(max(lengths) / 3)
+
+
+# ---- the real v0.7.0 grpo module (container) --------------------------------------------------------
+@pytest.fixture
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _word_tokenizer():
+    """A real HF fast tokenizer over words "t0".."t98" plus pad (id 99) and "ok", built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(99)} | {"<pad>": PAD, "ok": 100, "<unk>": 101}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.mark.nemo_rl
+def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.utils import calculate_baseline_and_std_per_prompt
+    from nemo_rl.data.collate_fn import rl_collate_fn
+    from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+    from nemo_rl.utils.checkpoint import CheckpointManager
+
+    @ray_cluster.remote
+    class EvenLengthEnv(EnvironmentInterface):
+        """Reward 1 if the joined assistant text has an even number of words."""
+
+        def step(self, message_log_batch, metadata):
+            texts = [
+                "".join(m["content"] for m in log if m["role"] == "assistant") for log in message_log_batch
+            ]
+            n = len(texts)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "ok"}] * n,
+                metadata=metadata,
+                next_stop_strings=[None] * n,
+                rewards=torch.tensor([float(len(t.split()) % 2 == 0) for t in texts]),
+                terminateds=torch.ones(n, dtype=torch.bool),
+                answers=[None] * n,
+            )
+
+        def global_post_process_and_metrics(self, batch):
+            return batch, {}
+
+    tokenizer = _word_tokenizer()
+    env = {"math": EvenLengthEnv.remote()}
+    cfg = _master_config()
+    cfg["partial_rollouts"]["stale_segments"] = "exclude"
+    original = grpo.run_multi_turn_rollout
+    hook = install_partial_rollouts(cfg)
+    try:
+        assert grpo.run_multi_turn_rollout is not original
+        checkpointer = CheckpointManager(
+            {
+                "checkpoint_dir": str(tmp_path),
+                "metric_name": None,
+                "higher_is_better": False,
+                "keep_top_k": 3,
+                "save_optimizer": False,
+            }
+        )
+
+        class TrainOnly:  # the Ray-worker policy is the boundary: only its train() call is observed
+            def train(self, data, loss_fn, timer=None):
+                return {}
+
+        policy = TrainOnly()
+        hook.attach(policy, checkpointer)
+        backend = ToyGenerationBackend(
+            ToyPolicy(seed=4, vocab_size=6, eos_logit_bias=-1.0), max_new_tokens=4, wrap=BatchedDataDict
+        )
+        for step in range(3):
+            data = [_datum(2 * step, [5, 2 * step + 1]), _datum(2 * step + 1, [5, 2 * step + 2])]
+            for d in data:  # the word tokenizer decodes token ids as "t<i>"
+                d["message_log"][0]["token_ids"] = d["message_log"][0]["token_ids"].long()
+            batch = rl_collate_fn(data).repeat_interleave(2)
+            flat, _ = batched_message_log_to_flat_message(
+                batch["message_log"], pad_value_dict={"token_ids": PAD}
+            )
+            input_ids = flat["token_ids"]  # grpo_train groups its baseline/std by these
+            backend.policy.bind(hook.policy_version)
+            final, metrics = grpo.run_multi_turn_rollout(
+                policy_generation=backend,
+                input_batch=batch,
+                tokenizer=tokenizer,
+                task_to_env=env,
+                max_seq_len=64,
+                max_rollout_turns=1,
+                greedy=False,
+            )
+            assert final.size == 4 and "total_reward" in final and "truncated" in final
+            assert metrics["rollout/returned_groups"] == 2
+            # the baseline grpo_train computes from the step's original prompts equals the one from the
+            # returned prompts: the groups sit in the same G-row blocks
+            prompts = grpo.extract_initial_prompt_messages(final["message_log"], final["length"])
+            prompt_flat, _ = batched_message_log_to_flat_message(prompts, pad_value_dict={"token_ids": PAD})
+            ones = torch.ones_like(final["total_reward"])
+            b1, s1 = calculate_baseline_and_std_per_prompt(input_ids, final["total_reward"], ones)
+            b2, s2 = calculate_baseline_and_std_per_prompt(
+                prompt_flat["token_ids"], final["total_reward"], ones
+            )
+            assert torch.allclose(b1, b2) and torch.allclose(s1, s2)
+            # the real loss-mask function trains only this version's tokens
+            grpo.add_grpo_token_loss_masks_and_generation_logprobs(final["message_log"])
+            for log in final["message_log"]:
+                trainable = sum(int(m["token_loss_mask"].sum()) for m in log)
+                fresh = [m for m in log if m["role"] == "assistant"][-1]
+                assert trainable == len(fresh["token_ids"]) <= 4
+            policy.train(None, None)
+            path = checkpointer.init_tmp_checkpoint(step + 1, {"step": step + 1}, None)
+            checkpointer.finalize_checkpoint(path)
+        assert hook.policy_version == 3
+        saved = json.loads((tmp_path / "step_3" / STATE_FILE).read_text())
+        assert saved["policy_version"] == 3 and saved["manager"]["group_size"] == 2
+    finally:
+        hook.uninstall()
+    assert grpo.run_multi_turn_rollout is original
+
+    # a new run resumes the in-flight state from the latest checkpoint
+    resumed = install_partial_rollouts(_master_config(partial_rollouts__stale_segments="exclude"))
+    try:
+        resumed.attach(
+            TrainOnly(),
+            CheckpointManager(
+                {
+                    "checkpoint_dir": str(tmp_path),
+                    "metric_name": None,
+                    "higher_is_better": False,
+                    "keep_top_k": 3,
+                    "save_optimizer": False,
+                }
+            ),
+        )
+        assert resumed.policy_version == 3
+        assert resumed.manager.state_dict() == saved["manager"] | {
+            "config": resumed.manager.state_dict()["config"]
+        }
+    finally:
+        resumed.uninstall()
