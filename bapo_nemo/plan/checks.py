@@ -134,6 +134,11 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
     packing = bool(value(config, "policy.sequence_packing.enabled"))
     seq = int(value(config, "policy.max_total_sequence_length"))
     mb_tokens = int(get(config, "policy.sequence_packing.train_mb_tokens", seq * mbs)) if packing else seq * mbs
+    if megatron and packing and bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")):
+        # FP8 pads each packed micro-batch to block * 2*CP * TP(SP) tokens (v0.7.0 megatron/data.py).
+        block = {"blockwise": 128, "mxfp8": 32}.get(value(config, "policy.megatron_cfg.fp8_cfg.fp8_recipe"), 16)
+        pad = block * (2 * cp if cp > 1 else 1) * (tp if (tp > 1 and sp) else 1)
+        mb_tokens = -(-mb_tokens // pad) * pad
     per_rank_samples = gbs // dp if dp else gbs
     micro_batches = max(1, per_rank_samples // max(1, mbs))
     training = TrainingSetup(
