@@ -1,0 +1,168 @@
+"""The BAPO driver for NeMo-RL v0.7.0: `examples/run_grpo.py`'s flow with BAPOLossFn swapped in.
+
+    load config (+ Hydra overrides) -> our config checks -> MLflow logger config -> MasterConfig
+    -> init_ray -> tokenizer, generation config, datasets -> [partial rollouts] -> grpo.setup(...)
+    -> replace setup's ClippedPGLossFn by BAPOLossFn -> [step-granularity wrapper on policy.train]
+    -> MLflow tags/params -> grpo_train or async_grpo_train
+
+Resume: v0.7.0's `setup()` looks for the newest `checkpointing.checkpoint_dir/step_N` itself
+(`CheckpointManager.get_latest_checkpoint_path`) and restores the GRPO state, the dataloader position,
+the weights and the optimizer from it; re-running the same command resumes. The MLflow run id is
+resumed by `prepare_logger_config` from the same directory.
+
+Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from bapo_nemo.plan.checks import Finding, bapo_enabled, check_config, plan_cluster
+from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.models import UnknownModelError, resolve_model
+
+
+class DriverConfigError(ValueError):
+    """The config would fail on the cluster; every line names a key and its fix."""
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m bapo_nemo.train",
+        description="BAPO GRPO training on NeMo-RL v0.7.0 (run inside nvcr.io/nvidia/nemo-rl:v0.7.0)",
+    )
+    parser.add_argument("--config", required=True, help="master config, e.g. configs/bapo_32b.yaml")
+    parser.add_argument("--skip-checks", action="store_true", help="skip bapo-nemo check's rules (not advised)")
+    return parser.parse_known_args(argv)
+
+
+def preflight(config: dict) -> list[Finding]:
+    """The same rules as `bapo-nemo check`, for the shape written in the config's cluster section."""
+    nodes, gpn = int(get(config, "cluster.num_nodes", 1)), int(get(config, "cluster.gpus_per_node", 1))
+    plan, findings = plan_cluster(config, nodes, gpn)
+    model = None
+    try:
+        model = resolve_model(str(get(config, "policy.model_name")))
+    except (UnknownModelError, OSError, KeyError):
+        pass  # unknown models only lose the head-divisibility rule here; `bapo-nemo check` reports it
+    return findings + check_config(config, plan, model, check_paths=True)
+
+
+def raise_on_errors(findings: list[Finding]) -> None:
+    errors = [f for f in findings if f.level == "error"]
+    for f in findings:
+        if f.level == "warning":
+            print(f"warning: {f.key}: {f.message}", file=sys.stderr)
+    if errors:
+        raise DriverConfigError("config errors:\n  " + "\n  ".join(f"{f.key}: {f.message}" for f in errors))
+
+
+def make_loss_fn(master_config) -> Any:
+    """BAPOLossFn for this config (its DTensor layout is needed to rebuild the data-parallel group)."""
+    from bapo_nemo.nemo.loss import BAPOLossFn
+
+    policy = master_config.policy
+    dtensor = policy.get("dtensor_cfg") or {}
+    return BAPOLossFn(
+        master_config.loss_fn,
+        dtensor_tp=int(dtensor.get("tensor_parallel_size", 1) or 1),
+        dtensor_cp=int(dtensor.get("context_parallel_size", 1) or 1),
+    )
+
+
+def install_step_bounds(policy, loss_fn, master_config) -> None:
+    """granularity: step -> wrap policy.train on the driver (see step_bounds.py for the cost)."""
+    from bapo_nemo.nemo.step_bounds import StepBoundsTrainer
+
+    options = loss_fn.options
+    if not options.bapo.enabled or options.bapo.granularity != "step":
+        return
+    policy.train = StepBoundsTrainer(
+        policy, options, master_config.loss_fn.model_dump(), master_config.policy["train_global_batch_size"]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omegaconf import OmegaConf
+
+    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.distributed.virtual_cluster import init_ray
+    from nemo_rl.models.generation import configure_generation_config
+    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
+    from nemo_rl.utils.logger import get_next_experiment_dir
+
+    from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
+
+    register_omegaconf_resolvers()
+    args, overrides = parse_args(argv)
+    config = load_config(args.config)
+    if overrides:
+        config = parse_hydra_overrides(config, overrides)
+    config = OmegaConf.to_container(config, resolve=True)
+    if not args.skip_checks:
+        raise_on_errors(preflight(config))
+    if not bapo_enabled(config):
+        print("loss_fn.bapo is absent or disabled: training is plain GRPO (ClippedPGLossFn semantics)")
+
+    config = prepare_logger_config(config)  # MLflow on, sqlite/server URI, resumed run id
+    master_config = MasterConfig(**config)
+    master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
+    if master_config.checkpointing["enabled"]:
+        print(f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)")
+
+    init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
+    tokenizer = get_tokenizer(master_config.policy["tokenizer"])
+    megatron_cfg = master_config.policy.get("megatron_cfg") or {}
+    master_config.policy["generation"] = configure_generation_config(
+        master_config.policy["generation"], tokenizer,
+        has_refit_draft_weights=bool(master_config.policy["draft"]["enabled"]),
+        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    )
+    dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
+        tokenizer, master_config.data, master_config.env
+    )
+
+    partial_hook = None
+    if get(config, "partial_rollouts") is not None:
+        from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
+
+        partial_hook = install_partial_rollouts(master_config)  # before setup(): it wraps grpo's rollout
+
+    (policy, policy_generation, _nemo_gym, _cluster, dataloader, val_dataloader, _setup_loss_fn, logger,
+     checkpointer, grpo_state, master_config, teacher_worker_groups, alias_to_group_alias) = setup(
+        master_config, tokenizer, dataset, val_dataset
+    )
+    # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
+    loss_fn = make_loss_fn(master_config)
+    install_step_bounds(policy, loss_fn, master_config)
+    if partial_hook is not None:
+        partial_hook.attach(policy, checkpointer)
+    after_setup(master_config.model_dump(), logger)
+
+    if master_config.grpo.get("async_grpo", {}).get("enabled", False):
+        from nemo_rl.algorithms.grpo import async_grpo_train
+
+        async_grpo_train(
+            policy=policy, policy_generation=policy_generation, dataloader=dataloader,
+            val_dataloader=val_dataloader, tokenizer=tokenizer, loss_fn=loss_fn, task_to_env=task_to_env,
+            val_task_to_env=val_task_to_env, logger=logger, checkpointer=checkpointer,
+            grpo_save_state=grpo_state, master_config=master_config,
+            max_trajectory_age_steps=master_config.grpo["async_grpo"]["max_trajectory_age_steps"],
+            teacher_worker_groups=teacher_worker_groups, alias_to_group_alias=alias_to_group_alias,
+        )
+    else:
+        grpo_train(
+            policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
+            val_task_to_env, logger, checkpointer, grpo_state, master_config,
+        )
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    sys.exit(main())
