@@ -536,13 +536,18 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
         policy = TrainOnly()
         hook.attach(policy, checkpointer)
         backend = ToyGenerationBackend(
-            ToyPolicy(seed=4, vocab_size=6, eos_logit_bias=-1.0), max_new_tokens=4, wrap=BatchedDataDict
+            ToyPolicy(seed=4, vocab_size=6, eos_logit_bias=-2.0), max_new_tokens=4, wrap=BatchedDataDict
         )
-        for step in range(3):
-            data = [_datum(2 * step, [5, 2 * step + 1]), _datum(2 * step + 1, [5, 2 * step + 2])]
-            for d in data:  # the word tokenizer decodes token ids as "t<i>"
-                d["message_log"][0]["token_ids"] = d["message_log"][0]["token_ids"].long()
-            batch = rl_collate_fn(data).repeat_interleave(2)
+        # the real collate function; one extra batch is prefilled so responses carry over between steps
+        raw_batches = [
+            rl_collate_fn([_datum(2 * k, [5, 2 * k + 1]), _datum(2 * k + 1, [5, 2 * k + 2])])
+            for k in range(5)
+        ]
+        masked_some = False
+        for step, raw in enumerate(hook.wrap_dataloader(raw_batches)):
+            if step == 3:
+                break
+            batch = raw.repeat_interleave(2)
             flat, _ = batched_message_log_to_flat_message(
                 batch["message_log"], pad_value_dict={"token_ids": PAD}
             )
@@ -574,13 +579,15 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
             for log in final["message_log"]:
                 trainable = sum(int(m["token_loss_mask"].sum()) for m in log)
                 fresh = [m for m in log if m["role"] == "assistant"][-1]
-                assert trainable == len(fresh["token_ids"]) <= 4
+                assert trainable == len(fresh["token_ids"]) <= 4 * metrics["rollout/segment_iterations"]
+                masked_some |= trainable < sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")
             policy.train(None, None)
             path = checkpointer.init_tmp_checkpoint(step + 1, {"step": step + 1}, None)
             checkpointer.finalize_checkpoint(path)
-        assert hook.policy_version == 3
+        assert hook.policy_version == 3 and masked_some
         saved = json.loads((tmp_path / "step_3" / STATE_FILE).read_text())
         assert saved["policy_version"] == 3 and saved["manager"]["group_size"] == 2
+        assert saved["manager"]["active"] or saved["manager"]["pending"]  # prompts in flight at the save
     finally:
         hook.uninstall()
     assert grpo.run_multi_turn_rollout is original
