@@ -259,9 +259,10 @@ class Submission:
     run_dir: Path
     log_dir: Path
     out_file: Path
+    job_name: str = "bapo-test"
 
     def attempt_dir(self, n: int) -> Path:
-        return self.log_dir / f"bapo-test-{self.job_id}" / f"attempt-{n}"
+        return self.log_dir / f"{self.job_name}-{self.job_id}" / f"attempt-{n}"
 
     def latest_step(self) -> int | None:
         latest = self.run_dir / "checkpoints" / "latest"
@@ -271,7 +272,8 @@ class Submission:
 
 
 def submit(slurm: LocalSlurm, tmp_path: Path, max_steps: int, wait: bool = False,
-           env: dict[str, str] | None = None, sbatch_args: tuple[str, ...] = ()) -> Submission:
+           env: dict[str, str] | None = None, sbatch_args: tuple[str, ...] = (),
+           script: Path = SBATCH_SCRIPT, job_name: str = "bapo-test") -> Submission:
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     job_env = {
         "BAPO_BARE_METAL": "1",
@@ -286,15 +288,15 @@ def submit(slurm: LocalSlurm, tmp_path: Path, max_steps: int, wait: bool = False
         **(env or {}),
     }
     # --time 15 min with the pre-limit signal 30 s before it: only the test sends USR1.
-    cmd = ["sbatch", "--parsable", "--nodes=1", "--time=15", "--signal=B:USR1@30", "--job-name=bapo-test",
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--time=15", "--signal=B:USR1@30", f"--job-name={job_name}",
            f"--output={tmp_path}/%x-%j.out", *sbatch_args]
     if wait:
         cmd.append("--wait")
-    out = subprocess.run([*cmd, str(SBATCH_SCRIPT)], env={**slurm.env, **job_env}, cwd=REPO,
+    out = subprocess.run([*cmd, str(script)], env={**slurm.env, **job_env}, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.strip(), f"sbatch gave no job id: {out.stderr}"
     job_id = out.stdout.strip().split(";")[0]
-    sub = Submission(job_id, run_dir, log_dir, tmp_path / f"bapo-test-{job_id}.out")
+    sub = Submission(job_id, run_dir, log_dir, tmp_path / f"{job_name}-{job_id}.out", job_name)
     if wait:
         assert out.returncode == 0, f"sbatch --wait exit {out.returncode}:\n{job_output(sub)}"
     return sub
@@ -449,17 +451,22 @@ def test_a_dead_driver_step_fails_the_job_without_requeue(slurm, tmp_path):
 
 
 def test_bad_inputs_fail_with_a_clear_error(slurm, tmp_path):
+    """Each job fails in seconds with a message naming the input and the fix (no training starts)."""
+    seven_b = REPO / "slurm" / "bapo_7b.sbatch"
     cases = {
-        "config": ({"CONFIG": "configs/does_not_exist.yaml"},
+        "config": (SBATCH_SCRIPT, {"CONFIG": "configs/does_not_exist.yaml"},
                    f"training config (CONFIG) not found: {REPO}/configs/does_not_exist.yaml"),
-        "python": ({"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 not found"),
-        "container": ({"BAPO_BARE_METAL": "0"}, "no pyxis plugin"),
+        "python": (SBATCH_SCRIPT, {"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 not found"),
+        "container": (SBATCH_SCRIPT, {"BAPO_BARE_METAL": "0"}, "no pyxis plugin"),
+        "repo": (SBATCH_SCRIPT, {"BAPO_REPO": str(tmp_path)}, f"{tmp_path}/slurm/lib/common.sh not found"),
+        # The 7B variant runs the same script (exec) with its preset: same checks, its own job name.
+        "7b": (seven_b, {"CONFIG": "configs/nope_7b.yaml"}, f"not found: {REPO}/configs/nope_7b.yaml"),
     }
     subs = {}
-    for name, (env, _) in cases.items():
+    for name, (script, env, _) in cases.items():
         (tmp_path / name).mkdir()
-        subs[name] = submit(slurm, tmp_path / name, max_steps=1, env=env)
-    for name, (_, message) in cases.items():
+        subs[name] = submit(slurm, tmp_path / name, max_steps=1, env=env, script=script, job_name=f"bad-{name}")
+    for name, (_, _, message) in cases.items():
         sub = subs[name]
         info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
         assert info["JobState"] == "FAILED", f"{name}: {info}"
