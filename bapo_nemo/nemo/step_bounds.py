@@ -18,6 +18,7 @@ Cost, precisely:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -61,10 +62,15 @@ def attach_bounds(batch, result: ClipSearchResult) -> None:
 def bounds_from_data(data) -> ClipSearchResult:
     """The step's bounds as BAPOLossFn sees them inside a micro-batch."""
     c_low, c_high, rho, rho0, met, steps = (float(data[k].reshape(-1)[0]) for k in STEP_BOUNDS_KEYS)
-    return ClipSearchResult(
-        c_low=c_low, c_high=c_high, rho=rho, rho_initial=rho0, target_met=bool(met), steps=int(steps),
-        positive_mass=0.0, negative_mass=0.0, num_tokens=0.0, nonfinite_tokens=0,
-    )
+    return search_result(c_low=c_low, c_high=c_high, rho=rho, rho_initial=rho0, target_met=bool(met), steps=int(steps))
+
+
+def search_result(**known) -> ClipSearchResult:
+    """A ClipSearchResult with the given fields and zero statistics for the rest (only the bounds and
+    the search outcome travel from the driver to the workers)."""
+    values = {f.name: 0 for f in dataclasses.fields(ClipSearchResult)}
+    values.update(known)
+    return ClipSearchResult(**values)
 
 
 def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
