@@ -613,3 +613,53 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
         }
     finally:
         resumed.uninstall()
+
+
+@pytest.mark.nemo_rl
+def test_real_validate_generates_answers_to_completion(ray_cluster):
+    from types import SimpleNamespace
+
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.data.collate_fn import rl_collate_fn
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+
+    @ray_cluster.remote
+    class ZeroEnv(EnvironmentInterface):
+        def step(self, message_log_batch, metadata):
+            n = len(message_log_batch)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "ok"}] * n,
+                metadata=metadata,
+                next_stop_strings=[None] * n,
+                rewards=torch.zeros(n),
+                terminateds=torch.ones(n, dtype=torch.bool),
+                answers=[None] * n,
+            )
+
+        def global_post_process_and_metrics(self, batch):
+            return batch, {}
+
+    cfg = _master_config()
+    hook = install_partial_rollouts(cfg)
+    try:
+        # validate() reads its config by attribute (MasterConfig); only these keys are touched
+        master = SimpleNamespace(
+            grpo={"max_val_samples": 3, "val_batch_size": 3, "max_rollout_turns": 1, "val_period": 1},
+            env={},
+            policy={"generation": cfg["policy"]["generation"], "max_total_sequence_length": 64},
+            logger={"num_val_samples_to_print": 0},
+        )
+        backend = ToyGenerationBackend(
+            ToyPolicy(seed=6, vocab_size=6, eos_logit_bias=-3.0), max_new_tokens=4, wrap=BatchedDataDict
+        )
+        val_batch = rl_collate_fn([_datum(i, [5, i + 1]) for i in range(3)])
+        metrics, _ = grpo.validate(
+            backend, [val_batch], _word_tokenizer(), {"math": ZeroEnv.remote()}, 0, master
+        )
+        # every answer ran past the 4-token segment budget, in several generate calls of one policy
+        assert metrics["avg_length"] > 4 and len(backend.calls) > 1
+        assert {len(c) for c in backend.calls[1:]} <= {1, 2, 3}  # only unfinished answers are continued
+        assert not hook._in_validation
+    finally:
+        hook.uninstall()
