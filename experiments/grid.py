@@ -1,0 +1,227 @@
+"""The studies: which runs each one makes, as config overrides of the embedded trainer.
+
+A study is a set of *cells* (one setting each, e.g. `bapo/u4` = BAPO at 4 updates per rollout batch)
+times a list of seeds. `expand(study, mode)` turns it into `RunSpec`s, each with the exact dotted
+overrides passed to `bapo_nemo.embedded.config.load_config`. Everything a run computes is decided here,
+so the runner and the summary agree on what a run is by its fingerprint (a hash of its overrides).
+
+Baselines are BAPO switched off with fixed bounds: the trainer then clips at [c_low_min, c_high_min].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Mode = Literal["full", "quick"]
+
+BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local_cpu.yaml"
+
+# Loss presets (absolute ratio bounds, see bapo_nemo/embedded/config.py).
+FIXED_CLIP = {"loss.bapo.enabled": False, "loss.bapo.c_low_min": 0.8, "loss.bapo.c_high_min": 1.2}
+CLIP_HIGHER = {"loss.bapo.enabled": False, "loss.bapo.c_low_min": 0.8, "loss.bapo.c_high_min": 1.28}
+BAPO = {"loss.bapo.enabled": True}  # our defaults: paper grids and order, gradient measure, rho0 0.4
+# The authors' verl recipe as shipped (BAPOConfig.from_reference_recipe() defaults): c_low 0.6->0.8 and
+# c_high 1.2->2.0 in steps of 0.05, P/N target 1 (share 0.5), value measure, dual clip 3.
+AUTHORS_RECIPE = {
+    "loss.bapo.enabled": True, "loss.bapo.order": "reference", "loss.bapo.measure": "value",
+    "loss.bapo.rho0": 0.5, "loss.bapo.c_low_min": 0.6, "loss.bapo.c_low_max": 0.8, "loss.bapo.c_low_step": 0.05,
+    "loss.bapo.c_high_min": 1.2, "loss.bapo.c_high_max": 2.0, "loss.bapo.c_high_step": 0.05,
+    "loss.bapo.dual_clip": 3.0,
+}
+METHODS = {"fixed": FIXED_CLIP, "clip_higher": CLIP_HIGHER, "bapo": BAPO}
+
+# The staleness at which the ablations run: several updates per rollout batch, where the ratio moves
+# away from 1 and the bounds matter (with one update per batch the clipped ratio stays near 1).
+ABLATION_UPDATES = 4
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long each run of a mode is. `eval_every` also sets the points of the held-out curve."""
+
+    max_steps: int
+    eval_every: int
+    seeds: tuple[int, ...]
+
+
+BUDGETS: dict[str, Budget] = {
+    "full": Budget(max_steps=40, eval_every=10, seeds=(0, 1, 2)),
+    "quick": Budget(max_steps=12, eval_every=6, seeds=(0, 1)),
+}
+
+# Settings every run of every study shares (on top of configs/local_cpu.yaml). The warm-up sections
+# (seed, model, task, warmup) are never varied by a cell, so one warm-up per seed serves all runs.
+COMMON = {
+    "runtime.num_threads": 1,
+    "runtime.progress": False,
+    "optim.lr": 2.0e-4,
+    "checkpoint.every": 10,
+    "checkpoint.keep_last": 1,
+    "tracking.samples_every": 20,
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One setting of a study: a label per axis and the overrides it implies."""
+
+    labels: dict[str, str]
+    overrides: dict[str, object]
+
+    @property
+    def name(self) -> str:
+        return "/".join(f"{k}={v}" for k, v in self.labels.items())
+
+    @property
+    def slug(self) -> str:
+        return "__".join(f"{k}-{v}" for k, v in self.labels.items()).replace(".", "p")
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    description: str
+    cells: tuple[Cell, ...]
+    # Axis whose values get their own row of plots (the others are lines within a row); None: one row.
+    row_axis: str | None = None
+    # Cells dropped by --quick (by their labels); the quick variant also cuts seeds and steps (BUDGETS).
+    quick_keep: tuple[dict[str, str], ...] | None = None
+
+    def cells_for(self, mode: Mode) -> list[Cell]:
+        if mode == "quick" and self.quick_keep is not None:
+            return [c for c in self.cells if any(all(c.labels.get(k) == v for k, v in keep.items())
+                                                 for keep in self.quick_keep)]
+        return list(self.cells)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a cell of a study at one seed, in one mode."""
+
+    study: str
+    mode: str
+    cell: Cell
+    seed: int
+    overrides: dict[str, object] = field(compare=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.overrides)
+
+    @property
+    def run_name(self) -> str:
+        """Unique per setting: the MLflow run name and the run's directory name."""
+        return f"{self.cell.slug}__seed{self.seed}__{self.fingerprint}"
+
+    def override_list(self) -> list[str]:
+        return [f"{k}={_yaml_scalar(v)}" for k, v in self.overrides.items()]
+
+
+def fingerprint(overrides: dict[str, object]) -> str:
+    """8 hex digits identifying what a run computes (tracking/run-name/path keys excluded)."""
+    relevant = {k: v for k, v in overrides.items() if not k.startswith("tracking.")}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _yaml_scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+# ---- the studies -------------------------------------------------------------------------------------------
+def _staleness() -> Study:
+    cells = tuple(
+        Cell({"updates": str(u), "method": m}, {"train.updates_per_batch": u, **METHODS[m]})
+        for u in (1, 2, 4, 8) for m in ("fixed", "clip_higher", "bapo")
+    )
+    return Study(
+        "staleness",
+        "Optimizer updates per rollout batch (1/2/4/8; the paper's staleness) x {fixed clip [0.8, 1.2], "
+        "clip-higher [0.8, 1.28], BAPO}.",
+        cells, row_axis="updates",
+        quick_keep=({"updates": "1"}, {"updates": "8"}),
+    )
+
+
+def _partial() -> Study:
+    # token_budget >= max_response_tokens (112) turns partial rollouts off.
+    budgets = {"16": 16, "32": 32, "off": 112}
+    cells = tuple(
+        Cell({"budget": b, "method": m},
+             {"train.updates_per_batch": 2, "rollout.partial.token_budget": t, **METHODS[m]})
+        for b, t in budgets.items() for m in ("fixed", "bapo")
+    )
+    return Study(
+        "partial",
+        "Partial-rollout token budget per iteration (16 / 32 / off) x {fixed clip, BAPO}, 2 updates per batch.",
+        cells, row_axis=None,
+        quick_keep=({"budget": "16"}, {"budget": "off"}),
+    )
+
+
+def _ablation(name: str, description: str, arms: dict[str, dict[str, object]]) -> Study:
+    cells = tuple(
+        Cell({name: arm}, {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **ov}) for arm, ov in arms.items()
+    )
+    return Study(name, description, cells)
+
+
+def _studies() -> dict[str, Study]:
+    studies = [
+        _staleness(),
+        _partial(),
+        _ablation("measure", f"BAPO's rho measure, value (Eq. 8) vs gradient, {ABLATION_UPDATES} updates per batch.",
+                  {"gradient": {"loss.bapo.measure": "gradient"}, "value": {"loss.bapo.measure": "value"}}),
+        _ablation("order", "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
+                  f"the authors' full recipe, {ABLATION_UPDATES} updates per batch.",
+                  {"paper": {"loss.bapo.order": "paper"}, "reference": {"loss.bapo.order": "reference"},
+                   "authors_recipe": AUTHORS_RECIPE}),
+        # micro_batch_size 8 (one prompt group) so that a mini-batch spans several loss calls and the two
+        # granularities actually differ; with the default 64 a mini-batch is a single micro-batch.
+        _ablation("granularity", "Bound search per micro-batch (8 sequences) vs per optimizer step, "
+                  f"{ABLATION_UPDATES} updates per batch.",
+                  {"microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
+                   "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8}}),
+        _ablation("rho0", f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
+                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {"loss.bapo.rho0": 0.4}, "0.5": {"loss.bapo.rho0": 0.5}}),
+    ]
+    return {s.name: s for s in studies}
+
+
+STUDIES: dict[str, Study] = _studies()
+
+
+def get_study(name: str) -> Study:
+    if name not in STUDIES:
+        raise KeyError(f"unknown study {name!r}; choose from: {', '.join(STUDIES)} (or 'all')")
+    return STUDIES[name]
+
+
+def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None) -> list[RunSpec]:
+    """Every run of `study` in `mode`: cells x seeds, seed-major so that early runs cover every cell."""
+    study = get_study(study) if isinstance(study, str) else study
+    budget = budget or BUDGETS[mode]
+    runs = []
+    for seed in budget.seeds:
+        for cell in study.cells_for(mode):
+            overrides = {
+                "seed": seed, **COMMON,
+                "train.max_steps": budget.max_steps, "eval.every": budget.eval_every,
+                **cell.overrides,
+            }
+            runs.append(RunSpec(study.name, mode, cell, seed, overrides))
+    return runs
+
+
+def warmup_overrides(seed: int, mode: Mode = "full") -> list[str]:
+    """Overrides of the per-seed warm-up job: the common settings and no RL steps. The warm-up cache key
+    (seed, model, task, warmup) matches every run of that seed, whatever its cell."""
+    overrides = {"seed": seed, **COMMON, "train.max_steps": 0}
+    return [f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()]

@@ -1,0 +1,358 @@
+"""Tables and plots of finished studies, read from their MLflow stores:
+`python -m experiments.summarize STUDY [STUDY ...|all] [--quick]`.
+
+For each study: which runs completed (and which did not), per-run statistics, their mean +- std over
+seeds per cell, a figure of the curves (mean line, +-1 std band over seeds), and a generated section of
+docs/results.md (between `<!-- BEGIN generated MODE/STUDY -->` and `<!-- END ... -->`; the prose around
+it is kept). Files: docs/results/<mode>/<study>.png and docs/results/<mode>/<study>.json.
+
+Per-run statistics (W = the last 20% of RL steps, at least one step):
+  heldout_start / heldout_end   eval/avg_at_k at step 0 (after warm-up) and at the last step
+  reward_end                    mean of reward/mean over W
+  entropy_start / entropy_end   mean token entropy over the first / last W steps
+  collapsed                     1 if heldout_end < COLLAPSE_HELDOUT_RATIO * heldout_start (reward
+                                collapse) or entropy_end < COLLAPSE_ENTROPY_RATIO * entropy_start
+  c_low, c_high, rho, target_met, grad_norm   means over all RL steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.grid import BUDGETS, STUDIES, Budget, RunSpec, Study, expand, get_study
+from experiments.run import DEFAULT_ROOT, DONE, experiment_name, run_dir, tracking_uri
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+
+CURVES = ["eval/avg_at_k", "reward/mean", "entropy", "bapo/rho", "bapo/c_low", "bapo/c_high", "grad_norm"]
+HISTORY_KEYS = CURVES + ["bapo/target_met", "eval/pass_at_k", "train/response_length_mean"]
+FINAL_FRACTION = 0.2
+COLLAPSE_HELDOUT_RATIO = 0.5
+COLLAPSE_ENTROPY_RATIO = 0.25
+STAT_KEYS = ["heldout_start", "heldout_end", "reward_end", "entropy_start", "entropy_end", "collapsed",
+             "c_low", "c_high", "rho", "target_met", "grad_norm"]
+
+History = dict[str, dict[int, float]]  # metric -> step -> value
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------------------
+def window_size(max_steps: int) -> int:
+    return max(1, round(FINAL_FRACTION * max_steps))
+
+
+def _mean_over(series: dict[int, float], steps) -> float:
+    values = [series[s] for s in steps if s in series]
+    return sum(values) / len(values) if values else math.nan
+
+
+def run_stats(history: History, max_steps: int) -> dict[str, float]:
+    """The per-run statistics of the module docstring, from metric histories (RL steps are 1..max_steps)."""
+    w = window_size(max_steps)
+    first, last = range(1, w + 1), range(max_steps - w + 1, max_steps + 1)
+    rl_steps = range(1, max_steps + 1)
+    held = history.get("eval/avg_at_k", {})
+    heldout_start = held.get(0, math.nan)
+    heldout_end = held[max(held)] if held else math.nan
+    entropy = history.get("entropy", {})
+    stats = {
+        "heldout_start": heldout_start,
+        "heldout_end": heldout_end,
+        "reward_end": _mean_over(history.get("reward/mean", {}), last),
+        "entropy_start": _mean_over(entropy, first),
+        "entropy_end": _mean_over(entropy, last),
+    }
+    reward_collapse = heldout_end < COLLAPSE_HELDOUT_RATIO * heldout_start
+    entropy_collapse = stats["entropy_end"] < COLLAPSE_ENTROPY_RATIO * stats["entropy_start"]
+    stats["collapsed"] = 1.0 if (reward_collapse or entropy_collapse) else 0.0
+    for key, metric in (("c_low", "bapo/c_low"), ("c_high", "bapo/c_high"), ("rho", "bapo/rho"),
+                        ("target_met", "bapo/target_met"), ("grad_norm", "grad_norm")):
+        stats[key] = _mean_over(history.get(metric, {}), rl_steps)
+    return stats
+
+
+def mean_std(values: list[float]) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (n-1; nan for n < 2) and n, over the finite values."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, 0
+    mean = sum(finite) / len(finite)
+    std = statistics.stdev(finite) if len(finite) > 1 else math.nan
+    return mean, std, len(finite)
+
+
+def aggregate(per_run: list[dict[str, float]]) -> dict[str, tuple[float, float, int]]:
+    return {key: mean_std([r[key] for r in per_run]) for key in STAT_KEYS}
+
+
+def fmt(mean: float, std: float, digits: int = 3) -> str:
+    if not math.isfinite(mean):
+        return "—"
+    if not math.isfinite(std):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+# ---- reading MLflow ------------------------------------------------------------------------------------------
+@dataclass
+class RunRecord:
+    spec: RunSpec
+    completed: bool
+    reason: str = ""
+    history: History = field(default_factory=dict)
+    seconds: float | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
+
+
+def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None = None) -> list[RunRecord]:
+    """One record per spec. Completed = an MLflow run of that name is FINISHED and logged the last step."""
+    from mlflow.tracking import MlflowClient
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    if uri.startswith("sqlite:///") and not db.is_file():
+        return [RunRecord(s, False, "no MLflow store") for s in specs]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    by_name: dict[str, list] = {}
+    if exp is not None:
+        for run in client.search_runs([exp.experiment_id], max_results=50000):
+            by_name.setdefault(run.info.run_name, []).append(run)
+    records = []
+    for spec in specs:
+        candidates = sorted(by_name.get(spec.run_name, []), key=lambda r: (r.info.status == "FINISHED",
+                                                                             r.info.start_time))
+        if not candidates:
+            records.append(RunRecord(spec, False, "not started"))
+            continue
+        run = candidates[-1]
+        history: History = {}
+        for key in HISTORY_KEYS:
+            points = client.get_metric_history(run.info.run_id, key)
+            history[key] = {int(m.step): float(m.value) for m in points}
+        max_steps = int(spec.overrides["train.max_steps"])
+        last_step = max((max(h) for h in history.values() if h), default=-1)
+        completed = run.info.status == "FINISHED" and last_step >= max_steps
+        reason = "" if completed else f"{run.info.status.lower()}, last logged step {last_step} of {max_steps}"
+        seconds = None
+        if root is not None and (run_dir(root, spec) / DONE).is_file():
+            seconds = json.loads((run_dir(root, spec) / DONE).read_text()).get("seconds")
+        records.append(RunRecord(spec, completed, reason, history, seconds, run.info.start_time, run.info.end_time))
+    return records
+
+
+# ---- one study ------------------------------------------------------------------------------------------------
+@dataclass
+class StudySummary:
+    study: Study
+    mode: str
+    budget: Budget
+    records: list[RunRecord]
+    cells: dict[str, dict[str, tuple[float, float, int]]]  # cell name -> stat -> (mean, std, n)
+    per_run: dict[str, dict[str, float]]  # run name -> stats
+
+    @property
+    def completed(self) -> list[RunRecord]:
+        return [r for r in self.records if r.completed]
+
+    @property
+    def missing(self) -> list[RunRecord]:
+        return [r for r in self.records if not r.completed]
+
+
+def summarize_study(study: Study | str, mode: str = "full", root: Path = DEFAULT_ROOT,
+                    budget: Budget | None = None, uri: str | None = None) -> StudySummary:
+    study = get_study(study) if isinstance(study, str) else study
+    budget = budget or BUDGETS[mode]
+    specs = expand(study, mode, budget)
+    records = load_runs(specs, uri or tracking_uri(Path(root), mode, study.name), experiment_name(study.name, mode),
+                        Path(root))
+    per_run = {r.spec.run_name: run_stats(r.history, budget.max_steps) for r in records if r.completed}
+    cells = {}
+    for cell in study.cells_for(mode):
+        runs = [per_run[r.spec.run_name] for r in records if r.completed and r.spec.cell.name == cell.name]
+        cells[cell.name] = aggregate(runs)
+    return StudySummary(study, mode, budget, records, cells, per_run)
+
+
+# ---- figures -------------------------------------------------------------------------------------------------
+PANELS = [("eval/avg_at_k", "held-out avg@k"), ("reward/mean", "train reward (5-step mean)"),
+          ("entropy", "token entropy"), ("bapo/rho", "positive share rho"), ("bounds", "c_low (dashed) / c_high"),
+          ("grad_norm", "grad norm")]
+
+
+def _band(records: list[RunRecord], key: str, smooth: int = 1):
+    """Steps present in every run, mean and std over runs (optionally a trailing moving average first)."""
+    import numpy as np
+
+    series = []
+    for r in records:
+        h = r.history.get(key, {})
+        if smooth > 1 and h:
+            steps = sorted(h)
+            vals = [h[s] for s in steps]
+            h = {s: sum(vals[max(0, i - smooth + 1): i + 1]) / len(vals[max(0, i - smooth + 1): i + 1])
+                 for i, s in enumerate(steps)}
+        series.append(h)
+    if not series:
+        return None
+    steps = sorted(set.intersection(*(set(h) for h in series)))
+    if not steps:
+        return None
+    values = np.array([[h[s] for s in steps] for h in series])
+    std = values.std(axis=0, ddof=1) if len(series) > 1 else np.zeros(len(steps))
+    return np.array(steps), values.mean(axis=0), std
+
+
+def plot_study(summary: StudySummary, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = summary.study
+    cells = study.cells_for(summary.mode)
+    row_values = list(dict.fromkeys(c.labels[study.row_axis] for c in cells)) if study.row_axis else [None]
+    fig, axes = plt.subplots(len(row_values), len(PANELS), figsize=(3.3 * len(PANELS), 2.6 * len(row_values)),
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    line_labels = list(dict.fromkeys(_line_label(c.labels, study.row_axis) for c in cells))
+    for i, row in enumerate(row_values):
+        row_cells = [c for c in cells if row is None or c.labels[study.row_axis] == row]
+        for cell in row_cells:
+            label = _line_label(cell.labels, study.row_axis)
+            color = colors[line_labels.index(label) % len(colors)]
+            recs = [r for r in summary.completed if r.spec.cell.name == cell.name]
+            if not recs:
+                continue
+            label = f"{label} (n={len(recs)})"
+            for j, (key, _title) in enumerate(PANELS):
+                ax = axes[i][j]
+                keys = [("bapo/c_low", "--"), ("bapo/c_high", "-")] if key == "bounds" else [(key, "-")]
+                for k, style in keys:
+                    band = _band(recs, k, smooth=5 if k == "reward/mean" else 1)
+                    if band is None:
+                        continue
+                    steps, mean, std = band
+                    marker = "o" if k == "eval/avg_at_k" else None
+                    ax.plot(steps, mean, style, color=color, marker=marker, ms=3,
+                            label=label if (j == 0 and style == "-") else None)
+                    ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.18, lw=0)
+        for j, (_key, title) in enumerate(PANELS):
+            ax = axes[i][j]
+            ax.set_title(title + (f"\n{study.row_axis}={row}" if row is not None else ""), fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.set_xlabel("RL step", fontsize=8)
+        axes[i][0].legend(fontsize=7, loc="best")
+    fig.suptitle(f"{study.name} ({summary.mode}): mean ± 1 std over seeds", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _line_label(labels: dict[str, str], row_axis: str | None) -> str:
+    return "/".join(v for k, v in labels.items() if k != row_axis) or "all"
+
+
+# ---- markdown ------------------------------------------------------------------------------------------------
+def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
+    study, budget = summary.study, summary.budget
+    n_total, n_done = len(summary.records), len(summary.completed)
+    lines = [f"### {study.name} ({summary.mode})", "", study.description, "",
+             f"{budget.max_steps} RL steps per run, seeds {list(budget.seeds)}, held-out avg@k every "
+             f"{budget.eval_every} steps. **Completed runs: {n_done} of {n_total}.**"]
+    if summary.missing:
+        lines.append("Not completed (excluded from the table and plots): "
+                     + "; ".join(f"`{r.spec.cell.name}` seed {r.spec.seed} ({r.reason})" for r in summary.missing))
+    timed = [r.seconds for r in summary.completed if r.seconds]
+    spans = [(r.start_ms, r.end_ms) for r in summary.completed if r.start_ms and r.end_ms]
+    if timed:
+        lines.append(f"Run time: {sum(timed) / 60:.1f} min summed over runs, {sum(timed) / len(timed):.0f} s per "
+                     "run on average (including its share of evaluations, excluding the shared warm-up)"
+                     + (f"; wall clock first start to last end {(max(e for _, e in spans) - min(s for s, _ in spans)) / 60000:.1f} min."
+                        if spans else "."))
+    rel = figure.relative_to(doc_dir) if figure.is_relative_to(doc_dir) else figure
+    lines += ["", f"![{study.name}]({rel.as_posix()})", "",
+              "| cell | n | held-out avg@k start → end | final reward | entropy start → end | collapsed | "
+              "c_low | c_high | rho | target met | grad norm |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in study.cells_for(summary.mode):
+        s = summary.cells[cell.name]
+        n = s["heldout_end"][2]
+        if n == 0:
+            lines.append(f"| {cell.name} | 0 | — | — | — | — | — | — | — | — | — |")
+            continue
+        collapsed = f"{round(s['collapsed'][0] * s['collapsed'][2])}/{s['collapsed'][2]}"
+        lines.append(
+            f"| {cell.name} | {n} | {fmt(*s['heldout_start'][:2])} → {fmt(*s['heldout_end'][:2])} | "
+            f"{fmt(*s['reward_end'][:2])} | {fmt(*s['entropy_start'][:2])} → {fmt(*s['entropy_end'][:2])} | "
+            f"{collapsed} | {fmt(*s['c_low'][:2], 2)} | {fmt(*s['c_high'][:2], 2)} | {fmt(*s['rho'][:2])} | "
+            f"{fmt(*s['target_met'][:2], 2)} | {fmt(*s['grad_norm'][:2])} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_doc(doc: Path, key: str, body: str) -> None:
+    """Replace the generated block `key` in `doc` (or append it); everything outside the markers is kept."""
+    begin, end = f"<!-- BEGIN generated {key} -->", f"<!-- END generated {key} -->"
+    text = doc.read_text() if doc.is_file() else "# Results\n"
+    block = f"{begin}\n{body}{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{block}\n"
+    doc.write_text(text)
+
+
+def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]:
+    out_dir = docs / "results" / summary.mode
+    figure = plot_study(summary, out_dir / f"{summary.study.name}.png")
+    data = {
+        "study": summary.study.name, "mode": summary.mode, "max_steps": summary.budget.max_steps,
+        "seeds": list(summary.budget.seeds),
+        "completed": [r.spec.run_name for r in summary.completed],
+        "not_completed": {r.spec.run_name: r.reason for r in summary.missing},
+        "cells": {name: {k: {"mean": _json_num(m), "std": _json_num(s), "n": n} for k, (m, s, n) in stats.items()}
+                  for name, stats in summary.cells.items()},
+        "runs": {name: {k: _json_num(v) for k, v in stats.items()} for name, stats in summary.per_run.items()},
+        "run_seconds": {r.spec.run_name: r.seconds for r in summary.completed if r.seconds},
+    }
+    table = out_dir / f"{summary.study.name}.json"
+    table.write_text(json.dumps(data, indent=1) + "\n")
+    update_doc(docs / "results.md", f"{summary.mode}/{summary.study.name}", markdown_section(summary, figure, docs))
+    return figure, table
+
+
+def _json_num(x: float) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.summarize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("studies", nargs="+", metavar="STUDY", help=f"one or more of: {', '.join(STUDIES)}, or all")
+    parser.add_argument("--quick", action="store_true", help="summarize the --quick runs")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--docs", type=Path, default=DOCS, help="where results.md and results/ go")
+    args = parser.parse_args(argv)
+    names = list(STUDIES) if args.studies == ["all"] else args.studies
+    for name in names:
+        if name not in STUDIES:
+            parser.error(f"unknown study {name!r}; choose from: {', '.join(STUDIES)} (or all)")
+    mode = "quick" if args.quick else "full"
+    for name in names:
+        summary = summarize_study(name, mode, args.root)
+        figure, table = write_outputs(summary, args.docs)
+        print(f"{name} ({mode}): {len(summary.completed)}/{len(summary.records)} runs completed -> {figure}, {table}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

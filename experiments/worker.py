@@ -1,0 +1,51 @@
+"""One run in its own process: `python -m experiments.worker SPEC.json`.
+
+SPEC.json holds {"config": path, "overrides": [...], "output_dir": ..., "warmup_from": dir or null}. The
+warm-up cache of the run's seed is copied into the run directory first (the trainer then loads it instead
+of repeating the supervised warm-up), and the run resumes from its newest complete checkpoint if an
+earlier attempt was interrupted. Exit code 0 only when the run reached train.max_steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from bapo_nemo.embedded.config import load_config
+from bapo_nemo.embedded.trainer import train
+
+
+def seed_warmup_cache(warmup_from: Path, output_dir: Path) -> None:
+    """Copy `<warmup_from>/warmup` into the run directory unless it already has one (a resumed run)."""
+    source, target = warmup_from / "warmup", output_dir / "warmup"
+    if target.exists() or not (source / "info.json").is_file():
+        return
+    partial = output_dir / "warmup.copying"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial)
+    partial.rename(target)  # atomic: a half-copied cache is never mistaken for a usable one
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m experiments.worker SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    output_dir = Path(spec["output_dir"])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config = load_config(spec["config"], spec["overrides"])
+    if spec.get("warmup_from"):
+        seed_warmup_cache(Path(spec["warmup_from"]), output_dir)
+    summary = train(config, output_dir, resume=True)
+    if summary["stopped_by_signal"] or summary["step"] < config.train.max_steps:
+        print(f"stopped at step {summary['step']} of {config.train.max_steps} "
+              f"({summary['stopped_by_signal'] or 'incomplete'}); rerun the study to resume", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

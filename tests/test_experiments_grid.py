@@ -1,0 +1,105 @@
+"""The study grids: number of runs, the overrides of each cell, and that they are valid trainer configs
+which share one warm-up per seed."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+# `experiments/` is a top-level directory of the repository, not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bapo_nemo.embedded import warmup as warmup_io
+from bapo_nemo.embedded.config import load_config
+from experiments.grid import BASE_CONFIG, BUDGETS, STUDIES, expand, warmup_overrides
+
+
+def _by_cell(runs):
+    return {(r.cell.name, r.seed): r for r in runs}
+
+
+def test_staleness_grid_full_and_quick():
+    runs = expand("staleness", "full")
+    # 4 staleness levels x 3 methods x 3 seeds
+    assert len(runs) == 4 * 3 * 3 == 36
+    assert Counter(r.seed for r in runs) == {0: 12, 1: 12, 2: 12}
+    cells = _by_cell(runs)
+    fixed8 = cells[("updates=8/method=fixed", 2)].overrides
+    assert fixed8["train.updates_per_batch"] == 8
+    assert fixed8["loss.bapo.enabled"] is False
+    assert (fixed8["loss.bapo.c_low_min"], fixed8["loss.bapo.c_high_min"]) == (0.8, 1.2)
+    assert fixed8["seed"] == 2 and fixed8["train.max_steps"] == BUDGETS["full"].max_steps
+    higher1 = cells[("updates=1/method=clip_higher", 0)].overrides
+    assert higher1["train.updates_per_batch"] == 1
+    assert (higher1["loss.bapo.enabled"], higher1["loss.bapo.c_low_min"], higher1["loss.bapo.c_high_min"]) == (
+        False, 0.8, 1.28)
+    bapo4 = cells[("updates=4/method=bapo", 1)].overrides
+    assert bapo4["loss.bapo.enabled"] is True and "loss.bapo.c_low_min" not in bapo4  # paper grids
+
+    quick = expand("staleness", "quick")
+    # quick keeps updates 1 and 8: 2 x 3 methods x 2 seeds, and fewer steps
+    assert len(quick) == 2 * 3 * 2 == 12
+    assert {r.overrides["train.updates_per_batch"] for r in quick} == {1, 8}
+    assert {r.overrides["train.max_steps"] for r in quick} == {BUDGETS["quick"].max_steps}
+
+
+def test_partial_and_ablation_grids():
+    partial = expand("partial", "full")
+    assert len(partial) == 3 * 2 * 3 == 18  # budgets 16/32/off x {fixed, bapo} x 3 seeds
+    budgets = {r.cell.labels["budget"]: r.overrides["rollout.partial.token_budget"] for r in partial}
+    assert budgets == {"16": 16, "32": 32, "off": 112}  # 112 = max_response_tokens: partial rollouts off
+    assert len(expand("partial", "quick")) == 2 * 2 * 2
+
+    assert len(expand("measure", "full")) == 2 * 3
+    assert len(expand("order", "full")) == 3 * 3
+    assert len(expand("granularity", "full")) == 2 * 3
+    assert len(expand("rho0", "full")) == 3 * 3
+    for name in ("measure", "order", "granularity", "rho0"):
+        for r in expand(name, "full"):
+            assert r.overrides["train.updates_per_batch"] == 4 and r.overrides["loss.bapo.enabled"] is True
+
+    measure = _by_cell(expand("measure", "full"))
+    assert measure[("measure=value", 0)].overrides["loss.bapo.measure"] == "value"
+    assert measure[("measure=gradient", 0)].overrides["loss.bapo.measure"] == "gradient"
+    rho0 = {r.cell.name: r.overrides["loss.bapo.rho0"] for r in expand("rho0", "full")}
+    assert rho0 == {"rho0=0.3": 0.3, "rho0=0.4": 0.4, "rho0=0.5": 0.5}
+    gran = _by_cell(expand("granularity", "full"))
+    for arm in ("microbatch", "step"):
+        ov = gran[(f"granularity={arm}", 1)].overrides
+        assert ov["loss.bapo.granularity"] == arm and ov["train.micro_batch_size"] == 8
+    order = _by_cell(expand("order", "full"))
+    recipe = order[("order=authors_recipe", 0)].overrides
+    assert (recipe["loss.bapo.order"], recipe["loss.bapo.measure"], recipe["loss.bapo.dual_clip"]) == (
+        "reference", "value", 3.0)
+    assert order[("order=reference", 0)].overrides["loss.bapo.order"] == "reference"
+
+
+def test_run_names_and_fingerprints_are_unique():
+    runs = [r for name in STUDIES for r in expand(name, "full")]
+    assert len({(r.study, r.run_name) for r in runs}) == len(runs)
+    within = Counter((r.study, r.fingerprint) for r in runs)
+    assert max(within.values()) == 1  # every run of a study computes something different
+    # tracking keys do not change what a run computes
+    r = runs[0]
+    from experiments.grid import fingerprint
+    assert fingerprint({**r.overrides, "tracking.run_name": "x"}) == r.fingerprint
+
+
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_every_run_is_a_valid_config_sharing_its_seeds_warmup(mode):
+    """Loads every run's overrides through the trainer's own schema, and checks the warm-up cache key
+    (what the trainer compares before reusing a cached warm-up) is the warm-up job's for that seed."""
+    warm_keys = {
+        seed: warmup_io.cache_key(load_config(BASE_CONFIG, warmup_overrides(seed, mode)).to_dict())
+        for seed in BUDGETS[mode].seeds
+    }
+    assert warm_keys[0] != warm_keys[1]  # the seed is part of the key
+    for name in STUDIES:
+        for r in expand(name, mode):
+            cfg = load_config(BASE_CONFIG, r.override_list())
+            assert cfg.seed == r.seed
+            assert cfg.train.updates_per_batch == r.overrides["train.updates_per_batch"]
+            assert warmup_io.cache_key(cfg.to_dict()) == warm_keys[r.seed], r.run_name
