@@ -443,6 +443,13 @@ def test_hook_state_survives_a_restart_mid_flight(tmp_path):
         hook.load(tmp_path)
 
 
+def test_unwrapped_dataloader_is_warned_about():
+    hook = install_partial_rollouts(_master_config(), patch_grpo=False)
+    backend = ToyGenerationBackend(ToyPolicy(seed=1, vocab_size=4), max_new_tokens=4)
+    with pytest.warns(UserWarning, match="hook.wrap_dataloader"):
+        _run_steps(hook, backend, _batches(1), steps=1)
+
+
 def test_validation_is_generated_to_completion():
     hook = PartialRolloutHook(
         PartialRolloutConfig(token_budget=3), group_size=2, prompts_per_step=2, response_cap=10

@@ -309,3 +309,19 @@ def test_bad_inputs_are_rejected_with_the_field():
     manager.run_iteration(CountdownGenerator(), 5)
     with pytest.raises(ValueError, match="went backwards"):
         manager.run_iteration(CountdownGenerator(), 4)
+
+
+def test_stats_cover_every_hand_out_of_one_version():
+    # a step that takes a waiting group and then generates: both count in the step's statistics
+    manager = PartialRolloutManager(PartialRolloutConfig(token_budget=2), group_size=1)
+    gen = CountdownGenerator()
+    manager.add_prompts([_prompt("a", 2), _prompt("b", 2)])
+    manager.run_iteration(gen.bind(0), 0, max_groups=1)  # "a" out, "b" complete and waiting (2 tokens, v0)
+    manager.add_prompts([_prompt("c", 2)])
+    assert [g.prompt_id for g in manager.take_completed(1, max_groups=1)] == ["b"]
+    assert [g.prompt_id for g in manager.run_iteration(gen.bind(1), 1)] == ["c"]
+    stats = manager.stats(1)
+    # b: 2 tokens of v0 (staleness 1); c: 2 tokens of v1 (staleness 0) -> mean 0.5, half stale
+    assert stats["rollout/returned_groups"] == 2.0 and stats["rollout/returned_tokens"] == 4.0
+    assert stats["rollout/staleness_mean"] == 0.5 and stats["rollout/stale_token_fraction"] == 0.5
+    assert stats["rollout/segments_hist/1"] == 3.0

@@ -315,6 +315,12 @@ class PartialRolloutHook:
         self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
     ):
         num_prompts = check_prompt_blocks(input_batch, self.group_size)
+        if not self.prefilled and self.prefill_batches > 0 and self.batches_seen == 0:
+            warnings.warn(
+                "partial rollouts: the train dataloader was not wrapped with hook.wrap_dataloader(...), so only "
+                "one step's prompts are in flight and no response carries over to a later step",
+                stacklevel=2,
+            )
         self.admit_batch(input_batch, stride=self.group_size, max_seq_len=max_seq_len)
 
         generate_fn = self.segment_generate_fn(policy_generation, tokenizer, greedy)

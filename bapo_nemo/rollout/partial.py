@@ -69,10 +69,12 @@ class _GroupState(BaseModel):
 
 
 class _ReturnedSummary(BaseModel):
-    """Token-version counts of the groups handed out last, for `stats(current_version)`."""
+    """Token-version counts of the groups handed out at the latest policy version (every hand-out of one
+    training step, e.g. `take_completed` then `run_iteration`), for `stats(current_version)`."""
 
     model_config = ConfigDict(extra="forbid")
 
+    policy_version: int | None = None
     version_token_counts: dict[int, int] = Field(default_factory=dict)
     num_groups: int = 0
     num_rollouts: int = 0
@@ -189,8 +191,8 @@ class PartialRolloutManager:
         return len(self._state.completed)
 
     def stats(self, current_version: int) -> dict[str, float]:
-        """Staleness of the groups handed out last (relative to `current_version`), in-flight counts and
-        the resumption histogram (segments per rollout, over all rollouts handed out so far)."""
+        """Staleness of the groups handed out at the latest policy version (relative to `current_version`),
+        in-flight counts and the resumption histogram (segments per rollout, over all rollouts handed out)."""
         s = self._state
         counts = s.last_returned.version_token_counts
         total = sum(counts.values())
@@ -353,8 +355,11 @@ class PartialRolloutManager:
         n = len(self._state.completed) if max_groups is None else min(max_groups, len(self._state.completed))
         taken, self._state.completed = self._state.completed[:n], self._state.completed[n:]
         groups = [self._to_rollout_group(g, policy_version) for g in taken]
-        summary = _ReturnedSummary(num_groups=len(groups))
-        counts: Counter[int] = Counter()
+        summary = self._state.last_returned
+        if summary.policy_version != policy_version:  # a new step: start a new summary
+            summary = self._state.last_returned = _ReturnedSummary(policy_version=policy_version)
+        counts: Counter[int] = Counter(summary.version_token_counts)
+        summary.num_groups += len(groups)
         for group in groups:
             for r in group.rollouts:
                 counts.update(r.token_versions)
@@ -364,7 +369,6 @@ class PartialRolloutManager:
                 hist = self._state.segments_histogram
                 hist[r.num_segments] = hist.get(r.num_segments, 0) + 1
         summary.version_token_counts = dict(counts)
-        self._state.last_returned = summary
         return groups
 
     def _to_rollout_group(self, group: _GroupState, policy_version: int) -> RolloutGroup:
