@@ -207,6 +207,15 @@ def test_generation_tensors_match_the_v070_spec_example():
     # a backend that over-generates is cut to the requested size (and so not finished)
     (cut,) = chunks_from_generation_outputs({k: v[:1] for k, v in outputs.items()}, [3], max_new_tokens=3)
     assert cut.token_ids == [2023, 2003, 1037] and not cut.finished
+    # Megatron's outputs carry no `truncated`: a row that filled the budget is unfinished unless it ended
+    # on a stop token (here 2200 plays EOS)
+    megatron = {k: v[:1] for k, v in outputs.items() if k != "truncated"}
+    (full,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=4)
+    assert not full.finished
+    (eos,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=4, stop_token_ids=(2200,))
+    assert eos.finished
+    (short,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=5)
+    assert short.finished
 
 
 def _rollout(prompt, response, logprobs, versions, truncated=False) -> Rollout:

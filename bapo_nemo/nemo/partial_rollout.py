@@ -163,11 +163,13 @@ def generation_inputs(contexts: list[list[int]], pad_token_id: int) -> tuple[tor
 
 
 def chunks_from_generation_outputs(
-    outputs: Mapping, input_lengths: list[int], max_new_tokens: int
+    outputs: Mapping, input_lengths: list[int], max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()
 ) -> list[GenerationChunk]:
     """`GenerationOutputSpec` -> one GenerationChunk per row. The generated tokens of row i are
     output_ids[i, input_len:unpadded_len] with their log-probs at the same positions. A row ended
-    (finished) unless `truncated` says it hit max_tokens; tokens past `max_new_tokens` are cut off."""
+    (finished) unless `truncated` says it hit max_tokens; backends without `truncated` (Megatron) count a
+    row as ended when it stopped short of `max_new_tokens`. Ending on a stop token is always an end.
+    Tokens past `max_new_tokens` are cut off (and the row is then not finished)."""
     output_ids, logprobs = outputs["output_ids"], outputs["logprobs"]
     unpadded = outputs["unpadded_sequence_lengths"]
     truncated = outputs.get("truncated")
@@ -179,6 +181,8 @@ def chunks_from_generation_outputs(
         finished = (not bool(truncated[i])) if truncated is not None else len(tokens) < max_new_tokens
         if len(tokens) > max_new_tokens:
             tokens, lps, finished = tokens[:max_new_tokens], lps[:max_new_tokens], False
+        if tokens and tokens[-1] in stop_token_ids:
+            finished = True
         chunks.append(GenerationChunk(tokens, lps, finished))
     return chunks
 
@@ -270,6 +274,7 @@ class PartialRolloutHook:
         self.max_seq_len = max_seq_len
         self.prefill_batches = prefill_batches
         self.prefilled = False
+        self.stop_token_ids: list[int] = []  # policy.generation.stop_token_ids (EOS is added per call)
         self.manager = PartialRolloutManager(config, group_size)
         self.policy_version = 0
         self.batches_seen = 0
@@ -445,6 +450,8 @@ class PartialRolloutHook:
         `generate` call per segment iteration; the backend's max_new_tokens is the token budget."""
         pad = tokenizer.pad_token_id
         stops = stop_strings if stop_strings is not None else (list(self.stop_strings) or None)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stop_ids = tuple(self.stop_token_ids) + ((eos,) if isinstance(eos, int) else ())
         wrap = _batch_class()
 
         def generate_fn(contexts: list[list[int]], max_new_tokens: int) -> list[GenerationChunk]:
@@ -457,7 +464,7 @@ class PartialRolloutHook:
                 }
             )
             outputs = policy_generation.generate(data, greedy=greedy)
-            return chunks_from_generation_outputs(outputs, input_lengths.tolist(), max_new_tokens)
+            return chunks_from_generation_outputs(outputs, input_lengths.tolist(), max_new_tokens, stop_ids)
 
         return generate_fn
 
@@ -715,6 +722,7 @@ def install_partial_rollouts(
         max_seq_len=int(_get(policy, "max_total_sequence_length")),
         prefill_batches=prefill_batches,
     )
+    hook.stop_token_ids = [int(t) for t in generation.get("stop_token_ids") or []]
     hook._restore.append(lambda: generation.__setitem__("max_new_tokens", original_max_new))
     if patch_grpo:
         import nemo_rl.algorithms.grpo as grpo_module
