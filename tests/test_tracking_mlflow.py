@@ -46,8 +46,9 @@ class MlflowServer:
         cmd = [MLFLOW_BIN, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
                "--artifacts-destination", str(self.root / "server_artifacts"),
                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.root / "server.log", "ab"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.root / "server.log", "ab") as server_log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, env=env, stdout=server_log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,6 +143,11 @@ def test_params_metrics_tags_artifacts_through_server(server, tmp_path):
     assert payload["columns"] == ["step", "prompt", "response", "reward"]
     assert payload["data"][1] == [2, "2+2=", "4", 1.0] and payload["data"][0][3] is None
     assert client.download_artifacts(run_id, "config/config.yaml", str(tmp_path / "dl2"))
+    resolved = Path(client.download_artifacts(run_id, "config/resolved_config.yaml", str(tmp_path / "dl3")))
+    text = resolved.read_text()
+    assert "tiny-qwen2" in text and "max_new_tokens: 64" in text
+    for secret in SECRETS:
+        assert secret not in text, secret
     # an acknowledged journal is compacted: nothing left to replay
     assert (tmp_path / "buf" / f"{run_id}.jsonl").read_text() == ""
 
@@ -178,7 +184,7 @@ def test_outage_buffers_and_replays_every_metric_exactly_once(server, tmp_path):
     assert run.data.params == {"lr": "1e-05", "new_setting": "3"}
     assert run.data.tags["phase"] == "after" and "bapo.resumed_at" in run.data.tags
     assert run.info.status == "FINISHED"
-    assert [a.path for a in client.list_artifacts(run_id)] == ["plot.txt"]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["config", "plot.txt"]  # config: start() logs it
 
 
 def test_new_run_with_server_down_fails_fast_with_clear_error(tmp_path):
@@ -214,7 +220,7 @@ def test_torn_last_journal_line_is_ignored(tmp_path):
     buf = tmp_path / "buf"
     run_id = MlflowTracker(uri, "torn", buffer_dir=buf).start({}, {})
     (buf / f"{run_id}.jsonl").write_text(
-        '{"seq": 1, "kind": "metrics", "step": 5, "timestamp": 1000, "metrics": {"x": 2.0}}\n{"seq": 2, "ki'
+        '{"seq": 100, "kind": "metrics", "step": 5, "timestamp": 1000, "metrics": {"x": 2.0}}\n{"seq": 101, "ki'
     )
     tracker = MlflowTracker(uri, "torn", run_id=run_id, buffer_dir=buf)
     assert tracker.flush() == 0

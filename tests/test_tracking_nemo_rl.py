@@ -135,7 +135,8 @@ def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
 
 def test_after_setup_without_mlflow_backend_says_what_to_do(tmp_path):
     class NoBackends:
-        loggers: list = []
+        def __init__(self):
+            self.loggers = []
 
     config = prepare_logger_config(v070_config(tmp_path))
     with pytest.raises(TrackingConfigError, match="call prepare_logger_config"):

@@ -43,21 +43,21 @@ def main(args: argparse.Namespace) -> int:
             if args.fp8:
                 raise ExportError("--fp8 is for embedded checkpoints: export the NeMo-RL checkpoint without --fp8, "
                                   "then quantise the HF model with ModelOpt's examples/llm_ptq/hf_ptq.py on a GPU")
-            from bapo_nemo.export.megatron import export_megatron  # noqa: PLC0415
+            from bapo_nemo.export.megatron import export_megatron
 
             result = export_megatron(ref, args.out, force=args.force)
         elif args.fp8:
-            from bapo_nemo.export.fp8 import export_fp8  # noqa: PLC0415
+            from bapo_nemo.export.fp8 import export_fp8
 
             result = export_fp8(ref, args.out, force=args.force, parity_prompts=prompts)
         else:
-            from bapo_nemo.export.hf import export_embedded  # noqa: PLC0415
+            from bapo_nemo.export.hf import export_embedded
 
             result = export_embedded(ref, args.out, force=args.force, parity_prompts=prompts)
         if result.parity is not None:
             print(f"max_abs_logprob_diff={result.parity.max_abs_diff:.6g}")
         if args.register_model:
-            from bapo_nemo.export.registry import register_export  # noqa: PLC0415
+            from bapo_nemo.export.registry import register_export
 
             uri = args.tracking_uri or _checkpoint_tracking_uri(ref.path)
             version = register_export(result, args.register_model, uri,
@@ -71,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_tracking_uri(step_dir: Path) -> str:
-    import json  # noqa: PLC0415
+    import json
 
     info_file = step_dir / "training_info.json"
     uri = json.loads(info_file.read_text()).get("mlflow_tracking_uri") if info_file.is_file() else None

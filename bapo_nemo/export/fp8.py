@@ -29,8 +29,8 @@ FP8_MEAN_TOLERANCE = 0.05  # nats per token, averaged; a broken scale gives O(1)
 
 def _import_modelopt():
     try:
-        import modelopt.torch.quantization as mtq  # noqa: PLC0415
-        from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
     except (ImportError, RuntimeError) as exc:  # RuntimeError: CUDA-only extensions probed at import
         raise ExportError(f"--fp8 needs NVIDIA ModelOpt: pip install 'bapo-nemo[fp8]' ({exc})") from exc
     return mtq, export_hf_checkpoint
@@ -38,7 +38,7 @@ def _import_modelopt():
 
 def dequantized_state_dict(export_dir: Path) -> dict[str, torch.Tensor]:
     """Weights of a ModelOpt FP8 export as float32: fp8 weight * weight_scale; scales dropped."""
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(export_dir.glob("*.safetensors")):
@@ -54,7 +54,7 @@ def dequantized_state_dict(export_dir: Path) -> dict[str, torch.Tensor]:
 
 def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_prompts: list[str] | None = None,
                progress=print) -> ExportResult:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     mtq, export_hf_checkpoint = _import_modelopt()
     model, tokenizer, info, _ = load_embedded(ref)

@@ -59,16 +59,16 @@ def atomic_output_dir(out: str | Path, force: bool):
 
 def load_embedded(ref: CheckpointRef):
     """(model, tokenizer, training_info, config) of an embedded checkpoint; load errors name the file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     info = validate_embedded(ref)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(ref.path / "model"), dtype="auto").eval()
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types; the file matters to the user
+    except Exception as exc:
         raise ExportError(f"{ref.path / 'model'}: cannot load the model with transformers ({exc})") from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(ref.path / "tokenizer"))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ExportError(f"{ref.path / 'tokenizer'}: cannot load the tokenizer ({exc})") from exc
     try:
         config = yaml.safe_load((ref.path / "config.yaml").read_text()) or {}
@@ -115,9 +115,9 @@ using bapo-nemo.
 
 def export_embedded(ref: CheckpointRef, out: str | Path, force: bool = False,
                     parity_prompts: list[str] | None = None, progress=print) -> ExportResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tokenizer, info, config = load_embedded(ref)
+    model, tokenizer, info, _ = load_embedded(ref)
     progress(f"loaded {ref.path} (step {info.get('step')}, {sum(p.numel() for p in model.parameters()):,} parameters)")
     sequences = heldout_sequences(model, tokenizer, prompts=parity_prompts)
     reference = token_logprobs(model, sequences)

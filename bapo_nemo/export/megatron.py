@@ -49,7 +49,7 @@ def read_nemo_config(step_dir: Path) -> dict:
 
 def _import_exporter():
     try:
-        from nemo_rl.models.megatron.community_import import export_model_from_megatron  # noqa: PLC0415
+        from nemo_rl.models.megatron.community_import import export_model_from_megatron
     except (ImportError, RuntimeError) as exc:  # transformer-engine raises RuntimeError without CUDA
         raise ExportError(
             "exporting a NeMo-RL Megatron checkpoint needs NeMo-RL v0.7.0 with Megatron-Bridge: run it inside "
@@ -59,7 +59,7 @@ def _import_exporter():
 
 
 def export_megatron(ref: CheckpointRef, out: str | Path, force: bool = False, progress=print) -> ExportResult:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     step_dir = ref.path
     config = read_nemo_config(step_dir)

@@ -14,10 +14,10 @@ log = logging.getLogger(__name__)
 
 def register_export(result: ExportResult, name: str, tracking_uri: str, artifact_path: str = "hf_export"):
     """Log ``result.out_dir`` to the source run and create a version of registered model ``name``."""
-    from mlflow.exceptions import MlflowException  # noqa: PLC0415
-    from mlflow.tracking import MlflowClient  # noqa: PLC0415
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
 
-    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri  # noqa: PLC0415
+    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri
 
     client = MlflowClient(tracking_uri=check_tracking_uri(tracking_uri), registry_uri=tracking_uri)
     run_id = result.run_id

@@ -115,7 +115,7 @@ class MlflowTracker:
         if _is_remote(self.tracking_uri):
             for var, value in HTTP_ENV_DEFAULTS.items():
                 os.environ.setdefault(var, value)
-        from mlflow.tracking import MlflowClient  # noqa: PLC0415 - mlflow import is slow; pay it here only
+        from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._pending: list[dict[str, Any]] = []
@@ -257,7 +257,7 @@ class MlflowTracker:
 
     def _log_resolved_config(self, params: Mapping[str, Any]) -> None:
         """The resolved config as a YAML artifact (secrets redacted), next to the flattened params."""
-        import yaml  # noqa: PLC0415
+        import yaml
 
         staged = self._staging_dir() / uuid.uuid4().hex / "resolved_config.yaml"
         staged.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +391,7 @@ class MlflowTracker:
             self._compact()
 
     def _send(self, record: dict[str, Any]) -> None:
-        from mlflow.entities import Metric, Param, RunTag  # noqa: PLC0415
+        from mlflow.entities import Metric, Param, RunTag
 
         kind, run_id = record["kind"], self._run_id
         if kind == "metrics":

@@ -130,7 +130,7 @@ def prepare_logger_config(master_config: dict) -> dict:
 def _redact_nemo_rl_hyperparams() -> None:
     """Wrap v0.7.0's ``MLflowLogger.log_hyperparams`` so the config it logs has secrets redacted."""
     try:
-        from nemo_rl.utils import logger as nemo_logger_module  # noqa: PLC0415
+        from nemo_rl.utils import logger as nemo_logger_module
     except (ImportError, RuntimeError):  # not in the container (RuntimeError: transformer-engine without CUDA)
         return
     cls = nemo_logger_module.MLflowLogger
@@ -184,7 +184,7 @@ def after_setup(master_config: dict, nemo_logger) -> None:
 
 
 def _log_config_artifact(tracker: MlflowTracker, config: dict, log_dir: Path) -> None:
-    import yaml  # noqa: PLC0415
+    import yaml
 
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / "resolved_config.yaml"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 # canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
 ALIASES: dict[str, list[str]] = {
@@ -225,10 +224,10 @@ class ReportResult:
 
 def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None, out_dir: str | Path,
                  log_to_runs: bool = True, progress: bool = True) -> ReportResult:
-    from mlflow.tracking import MlflowClient  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
+    from mlflow.tracking import MlflowClient
+    from tqdm import tqdm
 
-    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri  # noqa: PLC0415
+    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri
 
     client = MlflowClient(check_tracking_uri(tracking_uri))
     experiment = find_experiment(client, experiment_name)

@@ -18,8 +18,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError  # noqa: PLC0415
-    from bapo_nemo.tracking.report import ReportError, build_report  # noqa: PLC0415
+    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError
+    from bapo_nemo.tracking.report import ReportError, build_report
 
     if not args.tracking_uri:
         print("bapo-nemo report: error: no tracking URI: pass --tracking-uri (e.g. sqlite:///runs/x/mlflow.db) "

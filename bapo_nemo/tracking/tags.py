@@ -66,7 +66,7 @@ def container_image() -> str:
 def default_tags(config_dict: Mapping[str, Any]) -> dict[str, str]:
     """Tags for a run of ``config_dict``: git commit (+ dirty flag), config hash, container image, Slurm
     job, host, versions. Secret-looking values are redacted like params."""
-    from bapo_nemo import __version__ as bapo_version  # noqa: PLC0415 - avoid import cycles at package init
+    from bapo_nemo import __version__ as bapo_version
 
     commit, dirty = git_state()
     tags = {
@@ -81,7 +81,7 @@ def default_tags(config_dict: Mapping[str, Any]) -> dict[str, str]:
     if dirty is not None:
         tags["git.dirty"] = str(dirty).lower()
     try:
-        import torch  # noqa: PLC0415
+        import torch
 
         tags["torch"] = torch.__version__
     except ImportError:  # pragma: no cover - torch is a dependency
