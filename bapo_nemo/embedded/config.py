@@ -83,6 +83,10 @@ class WarmupConfig(_Section):
     steps: int = Field(300, ge=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
+    step_error_rate: float = Field(
+        0.0, ge=0, lt=1, description="Generated demonstrations: probability that a step's result is off by "
+        "1-2 (the chain continues from it). Imperfect demonstrations leave errors for RL to remove.",
+    )
 
 
 class RolloutConfig(_Section):
@@ -218,12 +222,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, **t
             raise RunConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise RunConfigError(f"{path}: the top level must be a mapping of sections (model:, loss:, ...)")
+    # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
+    # required by its own schema (e.g. rollout.partial.max_response_tokens alone).
+    data = _deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
     for key, value in top_level.items():
         if value is not None:
             apply_override(data, f"{key}={value}" if not isinstance(value, str) else f"{key}={value}")
     return validate_config(data, where)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def validate_config(data: dict, where: str = "<config>") -> RunConfig:
@@ -308,6 +325,10 @@ def _did_you_mean(key: str) -> str:
     for near_leaf in difflib.get_close_matches(leaf, list(leaves), n=3, cutoff=0.7):
         close += leaves[near_leaf]
     close = list(dict.fromkeys(close))[:5]
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in keys if section and k.startswith(section + ".") and "." not in k[len(section) + 1:]]
+    if not close and siblings:
+        return f"; did you mean one of: {', '.join(siblings)}?"
     if not close:
         return f"; valid sections: {', '.join(RunConfig.model_fields)}"
     return f"; did you mean: {', '.join(close)}?"

@@ -32,11 +32,16 @@ class TaskFileError(ValueError):
     """A JSONL task file is unusable; the message names the file and what to fix."""
 
 
-def solve(operands: list[int], operators: list[str]) -> tuple[str, int]:
-    """The left-to-right chain of steps and the final value."""
+def solve(operands: list[int], operators: list[str], error_rate: float = 0.0,
+          rng: random.Random | None = None) -> tuple[str, int]:
+    """The left-to-right chain of steps and the final value. With `error_rate` > 0 each step's result is
+    off by 1 or 2 with that probability and the chain carries on from the wrong value (imperfect
+    demonstrations, like distilled SFT data: the warm-up imitates them and RL has errors to remove)."""
     value, steps = operands[0], []
     for op, x in zip(operators, operands[1:]):
         new = value + x if op == "+" else value - x if op == "-" else value * x
+        if error_rate > 0 and rng is not None and rng.random() < error_rate:
+            new = abs(new + rng.choice((-2, -1, 1, 2)))
         steps.append(f"{value}{op}{x}={new}")
         value = new
     return ";".join(steps) + f";#{value}", value
@@ -50,13 +55,14 @@ class TaskGenerator:
     """Seeded generator of arithmetic tasks; `state()`/`set_state()` make it resumable."""
 
     def __init__(self, seed: int, min_ops: int = 1, max_ops: int = 12, tail_alpha: float = 1.5,
-                 max_value: int = 99, max_operand: int = 9, prefix: str = "gen"):
+                 max_value: int = 99, max_operand: int = 9, prefix: str = "gen", step_error_rate: float = 0.0):
         if not 1 <= min_ops <= max_ops:
             raise ValueError(f"task.min_ops={min_ops} and task.max_ops={max_ops} must satisfy 1 <= min <= max")
         self.rng = random.Random(seed)
         self.min_ops, self.max_ops, self.max_value, self.max_operand = min_ops, max_ops, max_value, max_operand
         self.weights = heavy_tailed_weights(min_ops, max_ops, tail_alpha)
         self.prefix, self.count = prefix, 0
+        self.step_error_rate = step_error_rate
 
     def sample_one(self) -> Task:
         rng = self.rng
@@ -75,7 +81,8 @@ class TaskGenerator:
             operands.append(x)
             operators.append(op)
         question = "".join(f"{a}{op}" for a, op in zip(operands, operators)) + f"{operands[-1]}?"
-        solution, result = solve(operands, operators)
+        _, result = solve(operands, operators)
+        solution, _ = solve(operands, operators, self.step_error_rate, rng)
         self.count += 1
         return Task(f"{self.prefix}-{self.count}", question, str(result), solution, {"num_ops": n_ops})
 
@@ -167,14 +174,15 @@ class TaskStream:
     """Training tasks in order: generated (seeded), or a JSONL pool reshuffled every epoch. Questions of
     the held-out set are never served, so held-out accuracy measures unseen problems."""
 
-    def __init__(self, seed: int, task_cfg, exclude_questions: set[str] = frozenset(), pool: list[Task] | None = None):
+    def __init__(self, seed: int, task_cfg, exclude_questions: set[str] = frozenset(), pool: list[Task] | None = None,
+                 step_error_rate: float = 0.0):
         self.exclude = set(exclude_questions)
         self.pool = [t for t in pool if t.question not in self.exclude] if pool is not None else None
         if self.pool is not None and not self.pool:
             raise TaskFileError("every training task is also in the held-out set: use a different task.train_file")
         self.generator = None if pool is not None else TaskGenerator(
             seed, task_cfg.min_ops, task_cfg.max_ops, task_cfg.tail_alpha, task_cfg.max_value, task_cfg.max_operand,
-            prefix=f"train{seed}",
+            prefix=f"train{seed}", step_error_rate=step_error_rate,
         )
         self.rng = random.Random(seed)
         self.order: list[int] = []

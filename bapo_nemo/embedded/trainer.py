@@ -68,7 +68,7 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     pool = load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.seed, cfg.task, held_out, pool)
-    warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool)
+    warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool, cfg.warmup.step_error_rate)
 
     model = build_model(cfg.model, tokenizer, cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -103,6 +103,9 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     run_id = tracker.start(config_dict, {**default_tags(config_dict), "bapo.runtime": "embedded"})
     (output_dir / "mlflow_run_id").write_text(run_id + "\n")
     metrics_log = _MetricsLog(output_dir / "metrics.jsonl", keep_up_to=step if ckpt is not None else -1)
+    # Which prompt groups each step trained on, with their segment counts: the audit trail showing that
+    # responses in flight at a checkpoint are finished after a resume, not dropped.
+    groups_log = _MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to=step if ckpt is not None else -1)
     stop = _StopFlag()
 
     def save(at_step: int) -> Path:
@@ -224,6 +227,9 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
                 metrics.update(run_eval(step))
             tracker.log_metrics(_finite(metrics), step=step)
             metrics_log.write({"step": step, **metrics})
+            groups_log.write({"step": step, "groups": [
+                {"prompt_id": g.prompt_id, "segments": [r.num_segments for r in g.rollouts]} for g in groups],
+                "replayed": [g.prompt_id for g in replayed]})
             if step % cfg.tracking.samples_every == 0:
                 tracker.log_table(_sample_rows(tokenizer, groups, rewards, step, cfg.tracking.num_samples),
                                   f"samples/step_{step:06d}.json")
@@ -310,8 +316,8 @@ def _finite(metrics: dict) -> dict[str, float]:
 
 
 class _MetricsLog:
-    """<output_dir>/metrics.jsonl: one line per step, the local copy of what goes to MLflow. On resume,
-    lines after the checkpoint's step (written by the interrupted process) are dropped."""
+    """A JSONL file with one record per step (metrics.jsonl: the local copy of what goes to MLflow). On
+    resume, records after the checkpoint's step (written by the interrupted process) are dropped."""
 
     def __init__(self, path: Path, keep_up_to: int):
         self.path = path
