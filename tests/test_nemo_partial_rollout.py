@@ -679,3 +679,31 @@ def test_real_validate_generates_answers_to_completion(ray_cluster):
         assert not hook._in_validation
     finally:
         hook.uninstall()
+
+
+@pytest.mark.nemo_rl
+def test_install_on_a_real_master_config():
+    """The driver passes v0.7.0's pydantic MasterConfig (dict sections, a pydantic loss_fn, extra keys)."""
+    from pathlib import Path
+
+    import nemo_rl
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
+
+    example = Path(nemo_rl.__file__).resolve().parents[1] / "examples" / "configs" / "grpo_math_1B.yaml"
+    if not example.exists():
+        pytest.skip(f"NeMo-RL's example configs are not next to the package ({example})")
+    register_omegaconf_resolvers()
+    raw = OmegaConf.to_container(load_config(str(example)), resolve=True)
+    raw["partial_rollouts"] = {"token_budget": 128, "stale_segments": "exclude", "prefill_batches": 2}
+    master = MasterConfig(**raw)
+    hook = install_partial_rollouts(master, patch_grpo=False)
+    # grpo_math_1B: max_new_tokens 512 = max_total_sequence_length, 16 generations per prompt
+    assert master.policy["generation"]["max_new_tokens"] == 128
+    assert (hook.response_cap, hook.max_seq_len, hook.group_size, hook.prefill_batches) == (512, 512, 16, 2)
+    hook.uninstall()
+    assert master.policy["generation"]["max_new_tokens"] == 512
+    raw["partial_rollouts"] = {"token_budget": 128}  # keep without importance-sampling correction
+    with pytest.raises(PartialRolloutSetupError, match="loss_fn.use_importance_sampling_correction"):
+        install_partial_rollouts(MasterConfig(**raw), patch_grpo=False)
