@@ -452,6 +452,19 @@ def test_hook_state_survives_a_restart_mid_flight(tmp_path):
         hook.load(tmp_path)
 
 
+def test_prefill_shortens_only_the_first_epoch():
+    hook = install_partial_rollouts(_master_config(), patch_grpo=False)  # prefill_batches defaults to 1
+    loader = hook.wrap_dataloader(_batches(4))
+    assert len(loader) == 4
+    first_epoch = []
+    for batch in loader:
+        first_epoch.append(batch["idx"])
+        assert len(loader) == 3  # grpo_train's last-step test sees the shortened epoch
+    assert first_epoch == [[2, 3], [4, 5], [6, 7]] and hook.manager.num_pending == 2  # prompts 0, 1 pooled
+    assert len(loader) == 4 and [b["idx"] for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hook.manager.num_pending == 2  # no second prefill
+
+
 def test_unwrapped_dataloader_is_warned_about():
     hook = install_partial_rollouts(_master_config(), patch_grpo=False)
     backend = ToyGenerationBackend(ToyPolicy(seed=1, vocab_size=4), max_new_tokens=4)

@@ -274,6 +274,7 @@ class PartialRolloutHook:
         self.max_seq_len = max_seq_len
         self.prefill_batches = prefill_batches
         self.prefilled = False
+        self.prefilled_batches = 0  # batches prefilled in the current (first) epoch
         self.stop_token_ids: list[int] = []  # policy.generation.stop_token_ids (EOS is added per call)
         self.manager = PartialRolloutManager(config, group_size)
         self.policy_version = 0
@@ -524,6 +525,7 @@ class PartialRolloutHook:
             "policy_version": self.policy_version,
             "batches_seen": self.batches_seen,
             "prefilled": self.prefilled,
+            "prefilled_batches": self.prefilled_batches,
             "stop_strings": list(self.stop_strings),
             "response_cap": self.response_cap,
             "manager": self.manager.state_dict(),
@@ -544,6 +546,7 @@ class PartialRolloutHook:
         self.policy_version = int(state["policy_version"])
         self.batches_seen = int(state["batches_seen"])
         self.prefilled = bool(state.get("prefilled", False))
+        self.prefilled_batches = int(state.get("prefilled_batches", 0))
         self.stop_strings = list(state.get("stop_strings", []))
 
     def save(self, checkpoint_dir: str | os.PathLike) -> Path:
@@ -575,25 +578,30 @@ class PrefillDataloader:
     groups are in flight than a step trains on; grpo_train hands the hook exactly one step's prompts, so
     before the first step this wrapper moves `prefill_batches` extra batches into the pool (once per run:
     the flag is checkpointed). Those batches are trained on through the pool, so the first epoch yields
-    `prefill_batches` fewer steps; the pool then stays at (prefill_batches + 1) * num_prompts_per_step
-    groups. Everything else (len, state_dict, load_state_dict, ...) is the wrapped loader's."""
+    `prefill_batches` fewer steps, and `len()` says so during that epoch (grpo_train's last-step test,
+    which triggers the final validation and checkpoint, compares with it). The pool then stays at
+    (prefill_batches + 1) * num_prompts_per_step groups. Everything else (state_dict, load_state_dict,
+    ...) is the wrapped loader's."""
 
     def __init__(self, dataloader: Any, hook: PartialRolloutHook):
         self.dataloader, self.hook = dataloader, hook
 
     def __iter__(self):
         iterator = iter(self.dataloader)
-        if not self.hook.prefilled:
-            for _ in range(self.hook.prefill_batches):
+        hook = self.hook
+        if not hook.prefilled:
+            for _ in range(hook.prefill_batches):
                 batch = next(iterator, None)
                 if batch is None:
                     break
-                self.hook.admit_batch(batch, stride=1)
-            self.hook.prefilled = True
+                hook.admit_batch(batch, stride=1)
+                hook.prefilled_batches += 1
+            hook.prefilled = True
         yield from iterator
+        hook.prefilled_batches = 0  # the shortened epoch is over
 
     def __len__(self) -> int:
-        return len(self.dataloader)
+        return len(self.dataloader) - self.hook.prefilled_batches
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.dataloader, name)
