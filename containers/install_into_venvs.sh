@@ -50,38 +50,64 @@ install_no_deps() {
   fi
 }
 
+# One Python process per venv and check (imports are slow): prints the torch version, then the
+# requirements of the dependencies that do not import.
+probe() {
+  "$1" - "${DEPS[@]}" <<'EOF'
+import importlib, sys
+try:
+    import torch
+    print(torch.__version__)
+except Exception:
+    print("none")
+for dep in sys.argv[1:]:
+    module, requirement = dep.split(":", 1)
+    try:
+        importlib.import_module(module)
+    except Exception:
+        print(requirement)
+EOF
+}
+
 failures=0
 for py in "${pythons[@]}"; do
-  torch_before=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
-  missing=()
-  for dep in "${DEPS[@]}"; do
-    module=${dep%%:*}
-    "$py" -c "import $module" 2>/dev/null || missing+=("${dep#*:}")
-  done
+  mapfile -t probed < <(probe "$py")
+  torch_before=${probed[0]:-none}
+  missing=("${probed[@]:1}")
+  torch_after=$torch_before
   if ((${#missing[@]})); then
     echo "bapo-nemo: $py lacks ${missing[*]}: installing with --no-deps"
     install_no_deps "$py" "${missing[@]}"
+    torch_after=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
   fi
-  torch_after=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
   if [[ "$torch_before" != "$torch_after" ]]; then
     echo "ERROR: torch changed in $py ($torch_before -> $torch_after); refusing to build this image" >&2
     exit 1
   fi
 
-  # Every venv runs the BAPO math; the driver also needs the CLI, tracking and planner modules.
+  # Every venv runs the BAPO math; the driver also needs the CLI, tracking and planner modules. The loss
+  # object is unpickled in the policy-worker venvs: check it imports there too (a warning: some actor
+  # venvs never run it).
   modules="bapo_nemo.algorithm"
   if [[ "$py" == "$DRIVER_VENV/bin/python" ]]; then
     modules+=", bapo_nemo.cli, bapo_nemo.tracking.mlflow_tracker, bapo_nemo.plan.checks, bapo_nemo.nemo.driver"
   fi
-  PYTHONPATH="$BAPO_HOME" "$py" -c "import $modules" || {
-    echo "ERROR: $py cannot import $modules" >&2
-    exit 1
-  }
-  # The loss object is unpickled in the policy-worker venvs: check it imports there too.
-  if ! out=$(PYTHONPATH="$BAPO_HOME" "$py" -c "import bapo_nemo.nemo.loss" 2>&1); then
-    echo "WARNING: $py cannot import bapo_nemo.nemo.loss (fine for venvs that never run the loss):" >&2
-    echo "$out" | tail -n 3 >&2
+  rc=0
+  out=$(PYTHONPATH="$BAPO_HOME" "$py" -c "
+import $modules
+try:
+    import bapo_nemo.nemo.loss
+except Exception as exc:
+    print(f'{type(exc).__name__}: {exc}')
+    raise SystemExit(3)
+" 2>&1) || rc=$?
+  if ((rc == 3)); then
+    echo "WARNING: $py cannot import bapo_nemo.nemo.loss (fine for venvs that never run the loss): $out" >&2
     failures=$((failures + 1))
+  elif ((rc != 0)); then
+    echo "ERROR: $py cannot import $modules:" >&2
+    echo "$out" >&2
+    exit 1
   fi
   echo "bapo-nemo: $py ok (torch $torch_after)"
 done
@@ -92,6 +118,7 @@ if ((failures && STRICT == 1)); then
 fi
 
 # `bapo-nemo` on PATH for every user of the image.
+mkdir -p "$(dirname "$CLI_PATH")"
 cat >"$CLI_PATH" <<EOF
 #!/bin/sh
 exec "$DRIVER_VENV/bin/python" -m bapo_nemo.cli "\$@"
