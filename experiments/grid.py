@@ -18,7 +18,9 @@ from typing import Literal
 
 Mode = Literal["full", "quick"]
 
-BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local_cpu.yaml"
+BASE_CONFIG = Path(__file__).resolve().parent / "base.yaml"
+# rollout.partial.max_response_tokens of base.yaml: a token budget this large turns partial rollouts off.
+PARTIAL_OFF_BUDGET = 80
 
 # Loss presets (absolute ratio bounds, see bapo_nemo/embedded/config.py).
 FIXED_CLIP = {"loss.bapo.enabled": False, "loss.bapo.c_low_min": 0.8, "loss.bapo.c_high_min": 1.2}
@@ -46,23 +48,18 @@ class Budget:
     max_steps: int
     eval_every: int
     seeds: tuple[int, ...]
+    # Extra overrides for every run and warm-up of this budget (e.g. a shorter warm-up in a smoke test).
+    extra: tuple[tuple[str, object], ...] = ()
 
 
 BUDGETS: dict[str, Budget] = {
     "full": Budget(max_steps=40, eval_every=10, seeds=(0, 1, 2)),
-    "quick": Budget(max_steps=12, eval_every=6, seeds=(0, 1)),
+    "quick": Budget(max_steps=10, eval_every=5, seeds=(0, 1)),
 }
 
-# Settings every run of every study shares (on top of configs/local_cpu.yaml). The warm-up sections
+# Settings every run of every study shares (on top of experiments/base.yaml). The warm-up sections
 # (seed, model, task, warmup) are never varied by a cell, so one warm-up per seed serves all runs.
-COMMON = {
-    "runtime.num_threads": 1,
-    "runtime.progress": False,
-    "optim.lr": 2.0e-4,
-    "checkpoint.every": 10,
-    "checkpoint.keep_last": 1,
-    "tracking.samples_every": 20,
-}
+COMMON: dict[str, object] = {"runtime.num_threads": 1, "runtime.progress": False}
 
 
 @dataclass(frozen=True)
@@ -122,8 +119,10 @@ class RunSpec:
 
 
 def fingerprint(overrides: dict[str, object]) -> str:
-    """8 hex digits identifying what a run computes (tracking/run-name/path keys excluded)."""
+    """8 hex digits identifying what a run computes: its overrides (tracking keys excluded) and the text
+    of base.yaml, so editing the base config marks finished runs as out of date."""
     relevant = {k: v for k, v in overrides.items() if not k.startswith("tracking.")}
+    relevant["<base.yaml>"] = hashlib.sha256(BASE_CONFIG.read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -146,13 +145,12 @@ def _staleness() -> Study:
         "Optimizer updates per rollout batch (1/2/4/8; the paper's staleness) x {fixed clip [0.8, 1.2], "
         "clip-higher [0.8, 1.28], BAPO}.",
         cells, row_axis="updates",
-        quick_keep=({"updates": "1"}, {"updates": "8"}),
+        quick_keep=tuple({"updates": u, "method": m} for u in ("1", "8") for m in ("fixed", "bapo")),
     )
 
 
 def _partial() -> Study:
-    # token_budget >= max_response_tokens (112) turns partial rollouts off.
-    budgets = {"16": 16, "32": 32, "off": 112}
+    budgets = {"16": 16, "32": 32, "off": PARTIAL_OFF_BUDGET}
     cells = tuple(
         Cell({"budget": b, "method": m},
              {"train.updates_per_batch": 2, "rollout.partial.token_budget": t, **METHODS[m]})
@@ -162,15 +160,17 @@ def _partial() -> Study:
         "partial",
         "Partial-rollout token budget per iteration (16 / 32 / off) x {fixed clip, BAPO}, 2 updates per batch.",
         cells, row_axis=None,
-        quick_keep=({"budget": "16"}, {"budget": "off"}),
+        quick_keep=({"budget": "16", "method": "bapo"}, {"budget": "off", "method": "bapo"}),
     )
 
 
-def _ablation(name: str, description: str, arms: dict[str, dict[str, object]]) -> Study:
+def _ablation(name: str, description: str, arms: dict[str, dict[str, object]],
+              quick_arms: tuple[str, ...] | None = None) -> Study:
     cells = tuple(
         Cell({name: arm}, {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **ov}) for arm, ov in arms.items()
     )
-    return Study(name, description, cells)
+    return Study(name, description, cells,
+                 quick_keep=tuple({name: arm} for arm in quick_arms) if quick_arms else None)
 
 
 def _studies() -> dict[str, Study]:
@@ -182,7 +182,7 @@ def _studies() -> dict[str, Study]:
         _ablation("order", "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
                   f"the authors' full recipe, {ABLATION_UPDATES} updates per batch.",
                   {"paper": {"loss.bapo.order": "paper"}, "reference": {"loss.bapo.order": "reference"},
-                   "authors_recipe": AUTHORS_RECIPE}),
+                   "authors_recipe": AUTHORS_RECIPE}, quick_arms=("paper", "reference")),
         # micro_batch_size 8 (one prompt group) so that a mini-batch spans several loss calls and the two
         # granularities actually differ; with the default 64 a mini-batch is a single micro-batch.
         _ablation("granularity", "Bound search per micro-batch (8 sequences) vs per optimizer step, "
@@ -190,7 +190,8 @@ def _studies() -> dict[str, Study]:
                   {"microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
                    "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8}}),
         _ablation("rho0", f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
-                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {"loss.bapo.rho0": 0.4}, "0.5": {"loss.bapo.rho0": 0.5}}),
+                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {"loss.bapo.rho0": 0.4}, "0.5": {"loss.bapo.rho0": 0.5}},
+                  quick_arms=("0.3", "0.5")),
     ]
     return {s.name: s for s in studies}
 
@@ -214,14 +215,15 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
             overrides = {
                 "seed": seed, **COMMON,
                 "train.max_steps": budget.max_steps, "eval.every": budget.eval_every,
-                **cell.overrides,
+                **dict(budget.extra), **cell.overrides,
             }
             runs.append(RunSpec(study.name, mode, cell, seed, overrides))
     return runs
 
 
-def warmup_overrides(seed: int, mode: Mode = "full") -> list[str]:
+def warmup_overrides(seed: int, mode: Mode = "full", budget: Budget | None = None) -> list[str]:
     """Overrides of the per-seed warm-up job: the common settings and no RL steps. The warm-up cache key
     (seed, model, task, warmup) matches every run of that seed, whatever its cell."""
-    overrides = {"seed": seed, **COMMON, "train.max_steps": 0}
+    budget = budget or BUDGETS[mode]
+    overrides = {"seed": seed, **COMMON, **dict(budget.extra), "train.max_steps": 0}
     return [f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()]

@@ -219,7 +219,7 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
             if warmup_ready(wdir):
                 warm[seed] = _done_future(0)
             else:
-                warm[seed] = pool.submit(execute, Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode),
+                warm[seed] = pool.submit(execute, Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode, budget),
                                                       f"warmup-{seed}"), False)
 
         def run_one(spec: RunSpec) -> int:

@@ -40,9 +40,10 @@ def test_staleness_grid_full_and_quick():
     assert bapo4["loss.bapo.enabled"] is True and "loss.bapo.c_low_min" not in bapo4  # paper grids
 
     quick = expand("staleness", "quick")
-    # quick keeps updates 1 and 8: 2 x 3 methods x 2 seeds, and fewer steps
-    assert len(quick) == 2 * 3 * 2 == 12
-    assert {r.overrides["train.updates_per_batch"] for r in quick} == {1, 8}
+    # quick keeps updates 1 and 8 x {fixed, bapo} x 2 seeds, and fewer steps
+    assert len(quick) == 2 * 2 * 2 == 8
+    assert {(r.overrides["train.updates_per_batch"], r.cell.labels["method"]) for r in quick} == {
+        (1, "fixed"), (1, "bapo"), (8, "fixed"), (8, "bapo")}
     assert {r.overrides["train.max_steps"] for r in quick} == {BUDGETS["quick"].max_steps}
 
 
@@ -50,8 +51,10 @@ def test_partial_and_ablation_grids():
     partial = expand("partial", "full")
     assert len(partial) == 3 * 2 * 3 == 18  # budgets 16/32/off x {fixed, bapo} x 3 seeds
     budgets = {r.cell.labels["budget"]: r.overrides["rollout.partial.token_budget"] for r in partial}
-    assert budgets == {"16": 16, "32": 32, "off": 112}  # 112 = max_response_tokens: partial rollouts off
-    assert len(expand("partial", "quick")) == 2 * 2 * 2
+    off = load_config(BASE_CONFIG).rollout.partial.max_response_tokens
+    assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
+    assert len(expand("partial", "quick")) == 2 * 1 * 2  # budgets 16/off, BAPO only, 2 seeds
+    assert len(expand("order", "quick")) == len(expand("rho0", "quick")) == 2 * 2  # two arms, two seeds
 
     assert len(expand("measure", "full")) == 2 * 3
     assert len(expand("order", "full")) == 3 * 3

@@ -33,7 +33,7 @@ def test_run_status(tmp_path):
 
 
 def test_plan_marks_done_resume_and_new(tmp_path):
-    specs = expand("measure", "quick")  # 2 arms x 2 seeds
+    specs = expand("measure", "quick")  # 2 arms x 2 seeds, seed-major
     _make(run_dir(tmp_path, specs[0]), specs[0].fingerprint, done=True)
     _make(run_dir(tmp_path, specs[1]), specs[1].fingerprint, done=False)
     _, status = plan(["measure"], "quick", tmp_path)
