@@ -231,7 +231,7 @@ def test_state_dict_mid_flight_has_segments_in_flight():
     manager.run_iteration(CountdownGenerator().bind(4), 4)
     state = manager.state_dict()
     (seq,) = state["active"][0]["sequences"]
-    assert seq["response_token_ids"] == [1000, 1001] and seq["token_versions"] == [4, 4]
+    assert seq["response_token_ids"] == [1000, 1001] and seq["segment_versions"] == [4]
     assert state["last_version"] == 4
 
 
@@ -263,7 +263,7 @@ def test_group_size_mismatch_and_malformed_state_are_named():
     with pytest.raises(PartialRolloutStateError, match="group_size is 2 but this run uses group_size=4"):
         PartialRolloutManager(cfg, group_size=4).load_state_dict(state)
     broken = json.loads(json.dumps(state))
-    broken["active"][0]["sequences"][0]["token_versions"].append(0)
+    broken["active"][0]["sequences"][0]["segment_versions"].append(0)
     with pytest.raises(PartialRolloutStateError, match=r"active\[0\]\.sequences\[0\].*disagree"):
         PartialRolloutManager(cfg, group_size=2).load_state_dict(broken)
     broken = json.loads(json.dumps(state))

@@ -43,7 +43,9 @@ class _SequenceState(BaseModel):
 
     response_token_ids: list[int] = Field(default_factory=list)
     behavior_logprobs: list[float] = Field(default_factory=list)
-    token_versions: list[int] = Field(default_factory=list)
+    # one policy version per segment (every token of a segment comes from one generate call): kept per
+    # segment, not per token, since in-flight state can hold millions of tokens; expanded at hand-out
+    segment_versions: list[int] = Field(default_factory=list)
     segment_lengths: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
 
@@ -335,7 +337,7 @@ class PartialRolloutManager:
         n = len(chunk.token_ids)
         seq.response_token_ids.extend(int(t) for t in chunk.token_ids)
         seq.behavior_logprobs.extend(float(x) for x in chunk.logprobs)
-        seq.token_versions.extend([policy_version] * n)
+        seq.segment_versions.append(policy_version)
         seq.segment_lengths.append(n)
         if chunk.finished:
             seq.finish_reason = "stop"
@@ -374,7 +376,8 @@ class PartialRolloutManager:
     def _to_rollout_group(self, group: _GroupState, policy_version: int) -> RolloutGroup:
         rollouts = []
         for i, seq in enumerate(group.sequences):
-            weights = [self.config.stale_weight(policy_version - v) for v in seq.token_versions]
+            versions = [v for v, n in zip(seq.segment_versions, seq.segment_lengths) for _ in range(n)]
+            weights = [self.config.stale_weight(policy_version - v) for v in versions]
             meta = dict(group.meta)
             meta.update(
                 truncated=seq.finish_reason != "stop",
@@ -388,7 +391,7 @@ class PartialRolloutManager:
                     prompt_token_ids=list(group.prompt_token_ids),
                     response_token_ids=list(seq.response_token_ids),
                     behavior_logprobs=list(seq.behavior_logprobs),
-                    token_versions=list(seq.token_versions),
+                    token_versions=versions,
                     loss_weights=weights,
                     num_segments=len(seq.segment_lengths),
                     segment_lengths=list(seq.segment_lengths),
@@ -412,11 +415,14 @@ class PartialRolloutManager:
                 for si, seq in enumerate(group.sequences):
                     n = len(seq.response_token_ids)
                     if not (
-                        n == len(seq.behavior_logprobs) == len(seq.token_versions) == sum(seq.segment_lengths)
+                        n == len(seq.behavior_logprobs) == sum(seq.segment_lengths)
+                        and len(seq.segment_versions) == len(seq.segment_lengths)
+                        and seq.segment_versions == sorted(seq.segment_versions)
                     ):
                         raise PartialRolloutStateError(
                             f"partial-rollout state field {where}[{gi}].sequences[{si}]: response_token_ids, "
-                            "behavior_logprobs, token_versions and segment_lengths disagree in length"
+                            "behavior_logprobs, segment_lengths and segment_versions disagree (lengths, or "
+                            "versions not non-decreasing)"
                         )
                     if len(seq.segment_lengths) > self.config.max_segments:
                         raise PartialRolloutStateError(
