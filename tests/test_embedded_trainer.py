@@ -1,0 +1,164 @@
+"""The embedded trainer end to end, as users run it: real subprocesses, real signals, a real MLflow sqlite
+store, real HF checkpoints. Nothing is faked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bapo_nemo.embedded.checkpoint import complete_checkpoints
+from bapo_nemo.embedded.config import load_config
+from bapo_nemo.embedded.trainer import ResumeError, train
+
+TINY = {
+    "seed": 0,
+    "runtime": {"progress": False},
+    "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+              "max_position_embeddings": 96},
+    "task": {"max_ops": 3, "eval_size": 8},
+    "warmup": {"steps": 10, "batch_size": 8},
+    "rollout": {"group_size": 4, "prompts_per_step": 4,
+                # 6-token segments: most responses need several, so checkpoints hold segments in flight
+                "partial": {"token_budget": 6, "max_resumptions": 6, "max_response_tokens": 36,
+                            "max_in_flight_groups": 8}},
+    "train": {"max_steps": 16, "updates_per_batch": 2, "micro_batch_size": 32},
+    "eval": {"every": 8, "k": 2},
+    "checkpoint": {"every": 2, "keep_last": 3},
+    "tracking": {"samples_every": 4},
+}
+
+
+def _write_config(tmp_path: Path, data: dict = TINY) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "bapo_nemo.cli", "train", str(config), "--output-dir", str(out), "--resume", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "checkpoints" / f"step_{step}" / "COMPLETE").is_file():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no checkpoint step_{step} after {timeout}s")
+
+
+def _in_flight(ckpt: Path) -> dict[str, list[int]]:
+    """prompt_id -> response lengths of the groups whose responses were mid-generation at the checkpoint."""
+    manager = json.loads((ckpt / "rollout_state.json").read_text())["manager"]
+    return {g["prompt_id"]: [len(s["response_token_ids"]) for s in g["sequences"]] for g in manager["active"]}
+
+
+def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    config, out = _write_config(tmp_path), tmp_path / "run"
+    proc = _launch(config, out)
+    _wait_for_checkpoint(proc, out, 4)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: a node failure
+    proc.wait(timeout=30)
+    assert not (out / "hf_final").exists(), "the run finished before it was killed: the test proves nothing"
+
+    killed_at = complete_checkpoints(out)[-1]
+    step_at_kill = int(killed_at.name.split("_")[1])
+    info = json.loads((killed_at / "training_info.json").read_text())
+    in_flight = _in_flight(killed_at)
+    assert any(n > 0 for lengths in in_flight.values() for n in lengths), "no partial response in flight"
+
+    resumed = _launch(config, out)
+    stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout[stdout.index("{"):])
+    assert summary["step"] == 16
+    assert summary["mlflow_run_id"] == info["mlflow_run_id"]
+
+    # Every group that was mid-generation at the checkpoint was finished and trained on after the resume
+    # (or is still in flight at the end, continued from the same prefix).
+    trained_after = {}
+    for line in (out / "trained_groups.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] > step_at_kill:
+            for g in record["groups"]:
+                trained_after[g["prompt_id"]] = g["segments"]
+    final_in_flight = _in_flight(complete_checkpoints(out)[-1])
+    for prompt_id, lengths in in_flight.items():
+        if prompt_id in trained_after:
+            assert max(trained_after[prompt_id]) >= 1
+        else:
+            assert prompt_id in final_in_flight and all(
+                now >= before for now, before in zip(final_in_flight[prompt_id], lengths)
+            ), f"in-flight group {prompt_id} was lost on resume"
+
+    # Same MLflow run, one metric point per step 1..16, and only one run in the experiment.
+    client = MlflowClient(tracking_uri=info["mlflow_tracking_uri"])
+    run = client.get_run(info["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")})
+    assert steps == list(range(1, 17))
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    # Contract 1: the checkpoint layout other tools read, and the final HF save.
+    final = complete_checkpoints(out)[-1]
+    assert final.name == "step_16" and (out / "checkpoints" / "latest").read_text().strip() == "step_16"
+    for rel in ("model/config.json", "model/model.safetensors", "model/generation_config.json",
+                "tokenizer/tokenizer.json", "trainer_state.pt", "rollout_state.json", "config.yaml", "COMPLETE"):
+        assert (final / rel).is_file(), rel
+    ti = json.loads((final / "training_info.json").read_text())
+    assert ti["step"] == 16 and ti["bapo"]["rho0"] == 0.4 and ti["model_name"] and ti["config_hash"]
+    assert len(complete_checkpoints(out)) == 3  # keep_last
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "hf_final")
+    tok = AutoTokenizer.from_pretrained(out / "hf_final")
+    assert model.config.hidden_size == 32 and tok.eos_token == "<eos>"
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
+    config, out = _write_config(tmp_path), tmp_path / "run"
+    proc = _launch(config, out, "train.max_steps=400")
+    _wait_for_checkpoint(proc, out, 2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout[stdout.index("{"):])
+    assert summary["stopped_by_signal"] == "SIGTERM"
+    stopped = summary["step"]
+    assert 2 <= stopped < 400
+    assert complete_checkpoints(out)[-1].name == f"step_{stopped}"  # the step it finished, checkpointed
+    assert not (out / "hf_final").exists()  # not done: a requeued job resumes
+
+
+def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(_write_config(tmp_path), ["train.max_steps=1", "checkpoint.every=1"])
+    train(cfg, out)
+    with pytest.raises(ResumeError, match="pass --resume"):
+        train(cfg, out, resume=False)  # never overwrite silently
+    other = load_config(_write_config(tmp_path), ["model.hidden_size=64", "loss.bapo.rho0=0.5", "task.max_ops=2"])
+    with pytest.raises(ResumeError) as exc:
+        train(other, out, resume=True)
+    msg = str(exc.value)
+    for key in ("model.hidden_size: checkpoint=32, now=64", "loss.bapo.rho0", "task.max_ops"):
+        assert key in msg
+    # Harmless keys may change: a longer run continues from the checkpoint.
+    longer = load_config(_write_config(tmp_path), ["train.max_steps=2", "checkpoint.every=5"])
+    assert train(longer, out, resume=True)["step"] == 2
