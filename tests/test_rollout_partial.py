@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict
 
 import pytest
+import torch
 from test_rollout_generators import CountdownGenerator, ToyPolicy
 
 from bapo_nemo.rollout import (
@@ -305,6 +306,12 @@ def test_bad_inputs_are_rejected_with_the_field():
         manager.add_prompts([PromptItem("x", [1], {"obj": object()})])
     with pytest.raises(ValueError, match="non-empty list of ints"):
         manager.add_prompts([PromptItem("y", [], {})])
+    with pytest.raises(ValueError, match=r"prompts\[1\].*non-empty list of ints"):
+        manager.add_prompts([_prompt("ok", 2), PromptItem("z", [1.5], {})])
+    assert manager.num_pending == 0  # a bad prompt queues none of the batch
+    manager.add_prompts([PromptItem("t", torch.tensor([3, 4]).tolist() + list(torch.tensor([5])), {})])
+    assert manager.num_pending == 1  # torch integer scalars are accepted as ints
+    manager = PartialRolloutManager(PartialRolloutConfig(token_budget=2), group_size=1)
     manager.add_prompts([_prompt("a", 3)])
     manager.run_iteration(CountdownGenerator(), 5)
     with pytest.raises(ValueError, match="went backwards"):

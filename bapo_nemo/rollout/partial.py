@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections import Counter
 from typing import Literal
 
@@ -126,13 +127,18 @@ class PartialRolloutManager:
 
     # ---- input -----------------------------------------------------------------------------------------
     def add_prompts(self, prompts: list[PromptItem]) -> None:
-        """Queue prompts; they start when a slot is free (`max_in_flight_groups`, `prompts_per_iteration`)."""
+        """Queue prompts; they start when a slot is free (`max_in_flight_groups`, `prompts_per_iteration`).
+        All prompts are checked first: a bad one queues none of them."""
+        checked = []
         for i, prompt in enumerate(prompts):
             where = f"prompts[{i}] (prompt_id={getattr(prompt, 'prompt_id', None)!r})"
             if not isinstance(prompt, PromptItem):
                 raise TypeError(f"{where}: expected a PromptItem, got {type(prompt).__name__}")
-            tokens = list(prompt.token_ids)
-            if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            try:
+                tokens = [operator.index(t) for t in prompt.token_ids]  # ints, numpy/torch integer scalars
+            except TypeError:
+                tokens = []
+            if not tokens:
                 raise ValueError(f"{where}: token_ids must be a non-empty list of ints")
             cap = prompt.max_response_tokens
             if cap is not None and (not isinstance(cap, int) or cap < 1):
@@ -143,10 +149,12 @@ class PartialRolloutManager:
                 raise ValueError(
                     f"{where}: meta must be JSON-serialisable (it is saved with each checkpoint): {exc}"
                 ) from None
+            checked.append((str(prompt.prompt_id), tokens, meta, cap))
+        for prompt_id, tokens, meta, cap in checked:
             self._state.pending.append(
                 _GroupState(
                     order=self._state.next_order,
-                    prompt_id=str(prompt.prompt_id),
+                    prompt_id=prompt_id,
                     prompt_token_ids=tokens,
                     meta=meta,
                     max_response_tokens=cap,
