@@ -18,7 +18,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bapo-nemo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="bapo-nemo",
+        description="BAPO (adaptive-clipping policy optimization) for NeMo-RL, and a single-machine trainer. "
+        "The NeMo-RL driver runs as `python -m bapo_nemo.train --config CONFIG` inside the container.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
