@@ -4,6 +4,7 @@ against a plain sqlite store without a server. Everything is read back through M
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,11 +78,27 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def template_db(tmp_path_factory) -> Path:
+    """An initialised MLflow sqlite store; creating one runs MLflow's schema migrations (seconds), so each
+    test copies this file instead of migrating its own."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, template_db):
     srv = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    shutil.copy(template_db, srv.root / "server.db")  # skip the schema migrations at server start
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def sqlite_uri(template_db, tmp_path) -> str:
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -194,10 +211,10 @@ def test_new_run_with_server_down_fails_fast_with_clear_error(tmp_path):
         tracker.start({}, {})
 
 
-def test_replay_after_lost_acknowledgement_does_not_duplicate(tmp_path):
+def test_replay_after_lost_acknowledgement_does_not_duplicate(tmp_path, sqlite_uri):
     """A record the store accepted but whose acknowledgement was lost (cursor not advanced) is sent again on
     replay; the journaled timestamp makes it identical, so the SQL store keeps one row."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = sqlite_uri
     buf = tmp_path / "buf"
     tracker = MlflowTracker(uri, "dedup", buffer_dir=buf)
     run_id = tracker.start({"a": 1}, {})
@@ -215,8 +232,8 @@ def test_replay_after_lost_acknowledgement_does_not_duplicate(tmp_path):
     assert client.get_run(run_id).data.params == {"a": "1"}
 
 
-def test_torn_last_journal_line_is_ignored(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_torn_last_journal_line_is_ignored(tmp_path, sqlite_uri):
+    uri = sqlite_uri
     buf = tmp_path / "buf"
     run_id = MlflowTracker(uri, "torn", buffer_dir=buf).start({}, {})
     (buf / f"{run_id}.jsonl").write_text(
@@ -229,10 +246,11 @@ def test_torn_last_journal_line_is_ignored(tmp_path):
     assert _history(MlflowClient(uri), run_id, "x") == [(5, 2.0), (6, 3.0)]
 
 
-def test_sqlite_artifacts_land_next_to_the_database(tmp_path, monkeypatch):
+def test_sqlite_artifacts_land_next_to_the_database(tmp_path, monkeypatch, template_db):
     monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
     (tmp_path / "db").mkdir()
+    shutil.copy(template_db, tmp_path / "db" / "mlflow.db")
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
     tracker = MlflowTracker(uri, "art", buffer_dir=tmp_path / "buf")
     run_id = tracker.start({}, {})
     (tmp_path / "f.txt").write_text("x")
@@ -243,15 +261,15 @@ def test_sqlite_artifacts_land_next_to_the_database(tmp_path, monkeypatch):
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
 
 
-def test_resume_unknown_run_names_it(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_resume_unknown_run_names_it(tmp_path, sqlite_uri):
+    uri = sqlite_uri
     MlflowTracker(uri, "x", buffer_dir=tmp_path).start({}, {})
     with pytest.raises(TrackingConfigError, match="0123456789abcdef0123456789abcdef.*does not exist"):
         MlflowTracker(uri, "x", run_id="0123456789abcdef0123456789abcdef", buffer_dir=tmp_path).start({}, {})
 
 
-def test_resume_with_changed_param_keeps_old_value_and_tags_the_change(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_resume_with_changed_param_keeps_old_value_and_tags_the_change(tmp_path, sqlite_uri):
+    uri = sqlite_uri
     run_id = MlflowTracker(uri, "x", buffer_dir=tmp_path).start({"steps": 10, "lr": 0.1}, {})
     MlflowTracker(uri, "x", run_id=run_id, buffer_dir=tmp_path).start({"steps": 20, "lr": 0.1}, {})
     run = MlflowClient(uri).get_run(run_id)
@@ -265,8 +283,8 @@ def test_plain_file_store_and_malformed_uris_are_refused(uri, tmp_path):
         MlflowTracker(uri, "x", buffer_dir=tmp_path)
 
 
-def test_non_numeric_metric_names_the_key(tmp_path):
-    tracker = MlflowTracker(f"sqlite:///{tmp_path}/m.db", "x", buffer_dir=tmp_path)
+def test_non_numeric_metric_names_the_key(tmp_path, sqlite_uri):
+    tracker = MlflowTracker(sqlite_uri, "x", buffer_dir=tmp_path)
     tracker.start({}, {})
     with pytest.raises(TypeError, match="'reward/mean' at step 3"):
         tracker.log_metrics({"reward/mean": "high"}, step=3)
