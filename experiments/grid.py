@@ -53,7 +53,7 @@ class Budget:
 
 
 BUDGETS: dict[str, Budget] = {
-    "full": Budget(max_steps=40, eval_every=10, seeds=(0, 1, 2)),
+    "full": Budget(max_steps=30, eval_every=10, seeds=(0, 1, 2)),
     "quick": Budget(max_steps=10, eval_every=5, seeds=(0, 1)),
 }
 
@@ -68,6 +68,9 @@ class Cell:
 
     labels: dict[str, str]
     overrides: dict[str, object]
+    # (study, cell name) whose runs this cell reuses instead of repeating them: same overrides, so the
+    # same result; they are run and logged in that study's directory and MLflow store.
+    same_as: tuple[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -99,11 +102,16 @@ class Study:
 class RunSpec:
     """One training run: a cell of a study at one seed, in one mode."""
 
-    study: str
+    study: str  # where the run lives (directory, MLflow store)
     mode: str
-    cell: Cell
+    cell: Cell  # its cell in that study
     seed: int
     overrides: dict[str, object] = field(compare=False)
+    shown_as: Cell | None = None  # its cell in the study that borrowed it (Cell.same_as)
+
+    @property
+    def display_cell(self) -> Cell:
+        return self.shown_as or self.cell
 
     @property
     def fingerprint(self) -> str:
@@ -150,10 +158,12 @@ def _staleness() -> Study:
 
 
 def _partial() -> Study:
-    budgets = {"16": 16, "32": 32, "off": PARTIAL_OFF_BUDGET}
+    # 32 is base.yaml's budget: those cells are the staleness study's 2-update cells, whose runs are reused.
+    budgets = {"16": 16, "32": None, "off": PARTIAL_OFF_BUDGET}
     cells = tuple(
         Cell({"budget": b, "method": m},
-             {"train.updates_per_batch": 2, "rollout.partial.token_budget": t, **METHODS[m]})
+             {"train.updates_per_batch": 2, **({"rollout.partial.token_budget": t} if t else {}), **METHODS[m]},
+             same_as=("staleness", f"updates=2/method={m}") if t is None else None)
         for b, t in budgets.items() for m in ("fixed", "bapo")
     )
     return Study(
@@ -164,10 +174,16 @@ def _partial() -> Study:
     )
 
 
+# The ablations' default arm is the staleness study's BAPO cell at the same staleness: reuse its runs.
+DEFAULT_ARM = ("staleness", f"updates={ABLATION_UPDATES}/method=bapo")
+
+
 def _ablation(name: str, description: str, arms: dict[str, dict[str, object]],
-              quick_arms: tuple[str, ...] | None = None) -> Study:
+              quick_arms: tuple[str, ...] | None = None, default_arm: str | None = None) -> Study:
     cells = tuple(
-        Cell({name: arm}, {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **ov}) for arm, ov in arms.items()
+        Cell({name: arm}, {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **ov},
+             same_as=DEFAULT_ARM if arm == default_arm else None)
+        for arm, ov in arms.items()
     )
     return Study(name, description, cells,
                  quick_keep=tuple({name: arm} for arm in quick_arms) if quick_arms else None)
@@ -178,11 +194,11 @@ def _studies() -> dict[str, Study]:
         _staleness(),
         _partial(),
         _ablation("measure", f"BAPO's rho measure, value (Eq. 8) vs gradient, {ABLATION_UPDATES} updates per batch.",
-                  {"gradient": {"loss.bapo.measure": "gradient"}, "value": {"loss.bapo.measure": "value"}}),
+                  {"gradient": {}, "value": {"loss.bapo.measure": "value"}}, default_arm="gradient"),
         _ablation("order", "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
                   f"the authors' full recipe, {ABLATION_UPDATES} updates per batch.",
-                  {"paper": {"loss.bapo.order": "paper"}, "reference": {"loss.bapo.order": "reference"},
-                   "authors_recipe": AUTHORS_RECIPE}, quick_arms=("paper", "reference")),
+                  {"paper": {}, "reference": {"loss.bapo.order": "reference"},
+                   "authors_recipe": AUTHORS_RECIPE}, quick_arms=("paper", "reference"), default_arm="paper"),
         # micro_batch_size 8 (one prompt group) so that a mini-batch spans several loss calls and the two
         # granularities actually differ; with the default 64 a mini-batch is a single micro-batch.
         _ablation("granularity", "Bound search per micro-batch (8 sequences) vs per optimizer step, "
@@ -190,8 +206,8 @@ def _studies() -> dict[str, Study]:
                   {"microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
                    "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8}}),
         _ablation("rho0", f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
-                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {"loss.bapo.rho0": 0.4}, "0.5": {"loss.bapo.rho0": 0.5}},
-                  quick_arms=("0.3", "0.5")),
+                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {}, "0.5": {"loss.bapo.rho0": 0.5}},
+                  quick_arms=("0.3", "0.5"), default_arm="0.4"),
     ]
     return {s.name: s for s in studies}
 
@@ -217,7 +233,14 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
                 "train.max_steps": budget.max_steps, "eval.every": budget.eval_every,
                 **dict(budget.extra), **cell.overrides,
             }
-            runs.append(RunSpec(study.name, mode, cell, seed, overrides))
+            if cell.same_as is None:
+                runs.append(RunSpec(study.name, mode, cell, seed, overrides))
+                continue
+            home_study, home_name = cell.same_as
+            home = next(c for c in get_study(home_study).cells if c.name == home_name)
+            if home.overrides != cell.overrides:
+                raise ValueError(f"{study.name}/{cell.name} reuses {home_study}/{home_name} but their overrides differ")
+            runs.append(RunSpec(home_study, mode, home, seed, overrides, shown_as=cell))
     return runs
 
 

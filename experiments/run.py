@@ -156,7 +156,9 @@ class Launcher:
 
 def plan(studies: list[str], mode: str, root: Path, budget: Budget | None = None) -> tuple[list[RunSpec], dict]:
     """All runs of `studies` and their status (done / resume / conflict / new)."""
-    specs = [s for name in studies for s in expand(name, mode, budget)]
+    specs = list({(s.study, s.run_name): s for name in studies for s in expand(name, mode, budget)}.values())
+    # Seed-major over all studies: if a study is cut short, every cell still has its first seeds.
+    specs.sort(key=lambda s: s.seed)
     return specs, {s.run_name: run_status(run_dir(root, s), s.fingerprint) for s in specs}
 
 
@@ -175,7 +177,7 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
     if not todo:
         print(f"all {len(specs)} runs of {', '.join(studies)} ({mode}) are already done", file=sys.stderr)
         return counts
-    for name in studies:
+    for name in dict.fromkeys(s.study for s in todo):
         ensure_store(root, mode, name)
 
     launcher = Launcher()

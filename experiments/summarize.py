@@ -118,7 +118,7 @@ def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None
 
     db = Path(uri.removeprefix("sqlite:///"))
     if uri.startswith("sqlite:///") and not db.is_file():
-        return [RunRecord(s, False, "no MLflow store") for s in specs]
+        return [RunRecord(s, False, f"no MLflow store {db}") for s in specs]
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     by_name: dict[str, list] = {}
@@ -172,12 +172,19 @@ def summarize_study(study: Study | str, mode: str = "full", root: Path = DEFAULT
     study = get_study(study) if isinstance(study, str) else study
     budget = budget or BUDGETS[mode]
     specs = expand(study, mode, budget)
-    records = load_runs(specs, uri or tracking_uri(Path(root), mode, study.name), experiment_name(study.name, mode),
-                        Path(root))
+    by_store: dict[str, list[RunSpec]] = {}
+    for spec in specs:  # cells reused from another study are read from that study's store
+        by_store.setdefault(spec.study, []).append(spec)
+    loaded = {}
+    for store, store_specs in by_store.items():
+        for record in load_runs(store_specs, uri or tracking_uri(Path(root), mode, store),
+                                experiment_name(store, mode), Path(root)):
+            loaded[(record.spec.study, record.spec.run_name)] = record
+    records = [loaded[(s.study, s.run_name)] for s in specs]
     per_run = {r.spec.run_name: run_stats(r.history, budget.max_steps) for r in records if r.completed}
     cells = {}
     for cell in study.cells_for(mode):
-        runs = [per_run[r.spec.run_name] for r in records if r.completed and r.spec.cell.name == cell.name]
+        runs = [per_run[r.spec.run_name] for r in records if r.completed and r.spec.display_cell.name == cell.name]
         cells[cell.name] = aggregate(runs)
     return StudySummary(study, mode, budget, records, cells, per_run)
 
@@ -229,7 +236,7 @@ def plot_study(summary: StudySummary, path: Path) -> Path:
         for cell in row_cells:
             label = _line_label(cell.labels, study.row_axis)
             color = colors[line_labels.index(label) % len(colors)]
-            recs = [r for r in summary.completed if r.spec.cell.name == cell.name]
+            recs = [r for r in summary.completed if r.spec.display_cell.name == cell.name]
             if not recs:
                 continue
             label = f"{label} (n={len(recs)})"
@@ -272,7 +279,12 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
              f"{budget.eval_every} steps. **Completed runs: {n_done} of {n_total}.**"]
     if summary.missing:
         lines.append("Not completed (excluded from the table and plots): "
-                     + "; ".join(f"`{r.spec.cell.name}` seed {r.spec.seed} ({r.reason})" for r in summary.missing))
+                     + "; ".join(f"`{r.spec.display_cell.name}` seed {r.spec.seed} ({r.reason})"
+                                 for r in summary.missing))
+    reused = {r.spec.display_cell.name: f"{r.spec.study}/{r.spec.cell.name}" for r in summary.records if r.spec.shown_as}
+    if reused:
+        lines.append("Reused runs (same settings, run once): "
+                     + "; ".join(f"`{mine}` = `{theirs}`" for mine, theirs in reused.items()) + ".")
     timed = [r.seconds for r in summary.completed if r.seconds]
     spans = [(r.start_ms, r.end_ms) for r in summary.completed if r.start_ms and r.end_ms]
     if timed:

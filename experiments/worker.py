@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.trainer import train
+from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 
 
 def seed_warmup_cache(warmup_from: Path, output_dir: Path) -> None:
@@ -26,6 +28,20 @@ def seed_warmup_cache(warmup_from: Path, output_dir: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(source, partial)
     partial.rename(target)  # atomic: a half-copied cache is never mistaken for a usable one
+
+
+def flush_tracking(summary: dict, experiment: str, output_dir: Path, attempts: int = 6) -> int:
+    """Replay what the trainer's tracker could not send (two runs share one sqlite store, so a write can
+    meet a locked database); returns the records still waiting (they stay journaled, nothing is lost)."""
+    tracker = MlflowTracker(summary["mlflow_tracking_uri"], experiment, run_id=summary["mlflow_run_id"],
+                            buffer_dir=output_dir / "mlflow_buffer")
+    remaining = tracker.flush()
+    for _ in range(attempts - 1):
+        if remaining == 0:
+            break
+        time.sleep(5)
+        remaining = tracker.flush()
+    return remaining
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped at step {summary['step']} of {config.train.max_steps} "
               f"({summary['stopped_by_signal'] or 'incomplete'}); rerun the study to resume", file=sys.stderr)
         return 3
+    remaining = flush_tracking(summary, config.tracking.experiment_name, output_dir)
+    if remaining:
+        print(f"{remaining} MLflow records still journaled in {output_dir / 'mlflow_buffer'}; rerun the study to "
+              "replay them", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -50,9 +50,15 @@ def test_staleness_grid_full_and_quick():
 def test_partial_and_ablation_grids():
     partial = expand("partial", "full")
     assert len(partial) == 3 * 2 * 3 == 18  # budgets 16/32/off x {fixed, bapo} x 3 seeds
-    budgets = {r.cell.labels["budget"]: r.overrides["rollout.partial.token_budget"] for r in partial}
-    off = load_config(BASE_CONFIG).rollout.partial.max_response_tokens
+    base = load_config(BASE_CONFIG)
+    budgets = {r.display_cell.labels["budget"]: load_config(BASE_CONFIG, r.override_list()).rollout.partial.token_budget
+               for r in partial}
+    off = base.rollout.partial.max_response_tokens
     assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
+    # budget 32 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
+    reused = {(r.display_cell.name, r.study, r.cell.name) for r in partial if r.shown_as}
+    assert reused == {("budget=32/method=fixed", "staleness", "updates=2/method=fixed"),
+                      ("budget=32/method=bapo", "staleness", "updates=2/method=bapo")}
     assert len(expand("partial", "quick")) == 2 * 1 * 2  # budgets 16/off, BAPO only, 2 seeds
     assert len(expand("order", "quick")) == len(expand("rho0", "quick")) == 2 * 2  # two arms, two seeds
 
@@ -64,16 +70,25 @@ def test_partial_and_ablation_grids():
         for r in expand(name, "full"):
             assert r.overrides["train.updates_per_batch"] == 4 and r.overrides["loss.bapo.enabled"] is True
 
-    measure = _by_cell(expand("measure", "full"))
+    measure = {(r.display_cell.name, r.seed): r for r in expand("measure", "full")}
     assert measure[("measure=value", 0)].overrides["loss.bapo.measure"] == "value"
-    assert measure[("measure=gradient", 0)].overrides["loss.bapo.measure"] == "gradient"
-    rho0 = {r.cell.name: r.overrides["loss.bapo.rho0"] for r in expand("rho0", "full")}
+    # the default arm (gradient, paper order, rho0 0.4) is BAPO at 4 updates of the staleness study
+    staleness_bapo4 = {r.seed: r for r in expand("staleness", "full") if r.cell.name == "updates=4/method=bapo"}
+    for study, arm in (("measure", "measure=gradient"), ("order", "order=paper"), ("rho0", "rho0=0.4")):
+        for r in expand(study, "full"):
+            if r.display_cell.name == arm:
+                assert r.study == "staleness" and r.run_name == staleness_bapo4[r.seed].run_name
+                assert r.overrides == staleness_bapo4[r.seed].overrides
+            else:
+                assert r.study == study and r.shown_as is None
+    rho0 = {r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss.bapo.rho0
+            for r in expand("rho0", "full")}
     assert rho0 == {"rho0=0.3": 0.3, "rho0=0.4": 0.4, "rho0=0.5": 0.5}
     gran = _by_cell(expand("granularity", "full"))
     for arm in ("microbatch", "step"):
         ov = gran[(f"granularity={arm}", 1)].overrides
         assert ov["loss.bapo.granularity"] == arm and ov["train.micro_batch_size"] == 8
-    order = _by_cell(expand("order", "full"))
+    order = {(r.display_cell.name, r.seed): r for r in expand("order", "full")}
     recipe = order[("order=authors_recipe", 0)].overrides
     assert (recipe["loss.bapo.order"], recipe["loss.bapo.measure"], recipe["loss.bapo.dual_clip"]) == (
         "reference", "value", 3.0)
@@ -81,10 +96,13 @@ def test_partial_and_ablation_grids():
 
 
 def test_run_names_and_fingerprints_are_unique():
-    runs = [r for name in STUDIES for r in expand(name, "full")]
-    assert len({(r.study, r.run_name) for r in runs}) == len(runs)
-    within = Counter((r.study, r.fingerprint) for r in runs)
-    assert max(within.values()) == 1  # every run of a study computes something different
+    runs = {(r.study, r.run_name): r for name in STUDIES for r in expand(name, "full")}
+    # 36 staleness + 4 partial cells x 3 seeds + value, reference, authors' recipe, 2 granularity arms,
+    # rho0 0.3 and 0.5 x 3 seeds; the reused cells add nothing
+    assert len(runs) == 36 + 12 + 7 * 3 == 69
+    within = Counter((r.study, r.fingerprint) for r in runs.values())
+    assert max(within.values()) == 1  # every run computes something different
+    runs = list(runs.values())
     # tracking keys do not change what a run computes
     r = runs[0]
     from experiments.grid import fingerprint
