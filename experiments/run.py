@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from experiments.grid import BASE_CONFIG, BUDGETS, STUDIES, Budget, RunSpec, expand, get_study, warmup_overrides
+from experiments.grid import (BASE_CONFIG, BUDGETS, STUDIES, Budget, RunSpec, expand, fingerprint, get_study,
+                             warmup_overrides)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = REPO / "experiments" / "runs"
@@ -43,8 +44,10 @@ def run_dir(root: Path, spec: RunSpec) -> Path:
     return study_dir(root, spec.mode, spec.study) / spec.run_name
 
 
-def warmup_dir(root: Path, mode: str, seed: int) -> Path:
-    return root / mode / "_warmup" / f"seed_{seed}"
+def warmup_dir(root: Path, mode: str, seed: int, budget: Budget | None = None) -> Path:
+    """Shared by the modes: the warm-up depends on the seed and its overrides only (hashed into the name)."""
+    overrides = warmup_overrides(seed, mode, budget)
+    return root / "_warmup" / f"seed_{seed}__{fingerprint(dict(o.split('=', 1) for o in overrides))}"
 
 
 def tracking_uri(root: Path, mode: str, study: str) -> str:
@@ -217,7 +220,7 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         warm: dict[int, Future] = {}
         for seed in seeds:
-            wdir = warmup_dir(root, mode, seed)
+            wdir = warmup_dir(root, mode, seed, budget)
             if warmup_ready(wdir):
                 warm[seed] = _done_future(0)
             else:
@@ -231,7 +234,7 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
                     bar.update(1)
                 return -1
             job = Job(spec.run_name, run_dir(root, spec), spec.override_list() + tracking_overrides(root, spec),
-                      spec.fingerprint, warmup_from=warmup_dir(root, mode, spec.seed))
+                      spec.fingerprint, warmup_from=warmup_dir(root, mode, spec.seed, budget))
             return execute(job, True)
 
         futures = [pool.submit(run_one, spec) for spec in todo]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.grid import expand  # noqa: E402
-from experiments.run import DONE, SPEC, main, move_aside, plan, run_dir, run_status, run_studies  # noqa: E402
+from experiments.grid import Budget, expand  # noqa: E402
+from experiments.run import (  # noqa: E402
+    DONE, SPEC, main, move_aside, plan, run_dir, run_status, run_studies, warmup_dir)
 
 
 def _make(path: Path, fingerprint: str, done: bool) -> None:
@@ -47,7 +48,7 @@ def test_completed_study_is_skipped_without_starting_anything(tmp_path, capsys):
     counts = run_studies(["rho0"], "quick", jobs=2, root=tmp_path, progress=False)
     assert counts == {"done": 0, "skipped": len(specs), "failed": 0, "stopped": 0}
     assert not (tmp_path / "quick" / "rho0" / "mlflow.db").exists()  # nothing was started
-    assert not (tmp_path / "quick" / "_warmup").exists()
+    assert not (tmp_path / "_warmup").exists()
     assert main(["rho0", "--quick", "--root", str(tmp_path)]) == 0
     assert "already done" in capsys.readouterr().err
 
@@ -66,3 +67,11 @@ def test_dry_run_lists_every_run(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 36 and all(line.startswith("new") for line in out)
     assert "train.updates_per_batch=8" in next(line for line in out if "updates-8__method-bapo" in line)
+
+
+def test_warmup_is_shared_by_modes_not_by_seeds_or_settings(tmp_path):
+    # quick and full warm up identically (same seed, same base config): one warm-up serves both
+    assert warmup_dir(tmp_path, "quick", 0) == warmup_dir(tmp_path, "full", 0)
+    assert warmup_dir(tmp_path, "full", 0) != warmup_dir(tmp_path, "full", 1)
+    shorter = Budget(3, 1, (0,), extra=(("warmup.steps", 20),))
+    assert warmup_dir(tmp_path, "full", 0, shorter) != warmup_dir(tmp_path, "full", 0)
