@@ -52,7 +52,9 @@ def test_four_gloo_ranks_reduce_over_data_parallel_only(tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
     parts = [_replica_data(r) for r in (0, 1)]
     expected = search_clip_bounds(
-        torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]),
+        torch.cat([p[0] for p in parts]),
+        torch.cat([p[1] for p in parts]),
+        torch.cat([p[2] for p in parts]),
         BAPOConfig(),
     )
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -44,11 +44,15 @@ def _batch(seed: int = 0, behavior_gap: float = 0.3):
 def _loss_cfg(**over):
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
 
-    base = dict(
-        reference_policy_kl_penalty=0.01, ratio_clip_min=0.2, ratio_clip_max=0.28, ratio_clip_c=None,
-        use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=2.0,
-    )
+    base = {
+        "reference_policy_kl_penalty": 0.01,
+        "ratio_clip_min": 0.2,
+        "ratio_clip_max": 0.28,
+        "ratio_clip_c": None,
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    }
     base.update(over)
     return ClippedPGLossConfig(**base)
 
@@ -83,7 +87,13 @@ def test_degenerate_range_equals_parent_with_same_bounds():
 
     data, curr, seqs, toks = _batch(1)
     ref = _run(ClippedPGLossFn(_loss_cfg()), curr, data, seqs, toks)
-    bapo = {"ratio_reference": "proximal", "c_low_min": 0.8, "c_low_max": 0.8, "c_high_min": 1.28, "c_high_max": 1.28}
+    bapo = {
+        "ratio_reference": "proximal",
+        "c_low_min": 0.8,
+        "c_low_max": 0.8,
+        "c_high_min": 1.28,
+        "c_high_max": 1.28,
+    }
     ours = _run(BAPOLossFn(_loss_cfg(bapo=bapo)), curr, data, seqs, toks)
     torch.testing.assert_close(ref[0], ours[0], rtol=0, atol=1e-15)
     torch.testing.assert_close(ref[1], ours[1], rtol=0, atol=1e-15)
@@ -110,7 +120,9 @@ def test_searched_bounds_reach_the_parent_and_are_restored():
 
     mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
     expected = search_clip_bounds(
-        importance_ratio(curr.detach(), data["generation_logprobs"][:, 1:]), data["advantages"][:, 1:], mask,
+        importance_ratio(curr.detach(), data["generation_logprobs"][:, 1:]),
+        data["advantages"][:, 1:],
+        mask,
         BAPOConfig(),
     )
     assert metrics["bapo/c_low"] == pytest.approx(expected.c_low)
@@ -139,7 +151,7 @@ def test_loss_fn_pickles_and_micro_batches_add_up():
     halves = [data.slice(0, 2), data.slice(2, 4)]
     mb_metrics = []
     for i, half in enumerate(halves):
-        _, m = fn(curr[2 * i: 2 * i + 2].detach(), half, seqs, toks)
+        _, m = fn(curr[2 * i : 2 * i + 2].detach(), half, seqs, toks)
         mb_metrics.append(m)
     agg = aggregate_like_nemo([[mb_metrics]])
     n0 = float((halves[0]["token_mask"][:, 1:] * halves[0]["sample_mask"].unsqueeze(-1)).sum())

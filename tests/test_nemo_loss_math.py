@@ -41,7 +41,10 @@ def test_bounds_are_epsilons_for_the_parent():
 
 
 def test_reference_logprobs_and_parent_data():
-    data = {"prev_logprobs": torch.tensor([[9.0, 1.0, 2.0]]), "generation_logprobs": torch.tensor([[9.0, 3.0, 4.0]])}
+    data = {
+        "prev_logprobs": torch.tensor([[9.0, 1.0, 2.0]]),
+        "generation_logprobs": torch.tensor([[9.0, 3.0, 4.0]]),
+    }
     assert reference_logprobs(data, "proximal").tolist() == [[1.0, 2.0]]  # shifted like the parent ([:, 1:])
     assert reference_logprobs(data, "behavior").tolist() == [[3.0, 4.0]]
     assert data_for_parent(data, "proximal") is data
@@ -93,7 +96,7 @@ def test_step_metrics_add_up_to_token_weighted_means_under_nemo_aggregation():
 
 def test_two_optimizer_steps_per_train_call_average():
     """NeMo-RL divides by the number of global batches: bounds 0.6 then 0.8 log 0.7."""
-    r = lambda c: search_result(c_low=c, c_high=1.2, rho=0.5, rho_initial=0.3, target_met=False, steps=0)  # noqa: E731
+    r = lambda c: search_result(c_low=c, c_high=1.2, rho=0.5, rho_initial=0.3, target_met=False, steps=0)
     cnt = {"valid": 4.0, "pos": 2.0, "neg": 2.0, "clip_high": 0.0, "clip_low": 1.0, "dual": 0.0}
     agg = aggregate_like_nemo([[[nemo_step_metrics(r(0.6), cnt, 4)], [nemo_step_metrics(r(0.8), cnt, 4)]]])
     assert agg["bapo/c_low"] == pytest.approx(0.7)
@@ -162,11 +165,19 @@ def test_step_bounds_trainer_splits_calls_and_uses_extra_logprob_pass():
         def __init__(self):
             self.train_calls, self.logprob_calls = [], 0
 
-        def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None):
+        def train(
+            self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None
+        ):
             self.train_calls.append(data)
-            return {"loss": torch.tensor([1.0]), "grad_norm": torch.tensor([0.5]),
-                    "all_mb_metrics": {"bapo/c_low": [float(data["bapo_c_low"][0])], "probs_ratio_max": [2.0],
-                                       "lr": [1e-6]}}
+            return {
+                "loss": torch.tensor([1.0]),
+                "grad_norm": torch.tensor([0.5]),
+                "all_mb_metrics": {
+                    "bapo/c_low": [float(data["bapo_c_low"][0])],
+                    "probs_ratio_max": [2.0],
+                    "lr": [1e-6],
+                },
+            }
 
         def get_logprobs(self, data, timer=None):
             self.logprob_calls += 1

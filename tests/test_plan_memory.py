@@ -38,16 +38,16 @@ TINY = ModelShape(
 
 
 def _train(**over):
-    base = dict(
-        micro_batch_tokens=64,
-        micro_batches_per_step=5,
-        activation_checkpointing=False,
-        fp8=False,
-        fp8_param=False,
-        grad_reduce_in_fp32=False,
-        distributed_optimizer=True,
-        optimizer_cpu_offload=False,
-    )
+    base = {
+        "micro_batch_tokens": 64,
+        "micro_batches_per_step": 5,
+        "activation_checkpointing": False,
+        "fp8": False,
+        "fp8_param": False,
+        "grad_reduce_in_fp32": False,
+        "distributed_optimizer": True,
+        "optimizer_cpu_offload": False,
+    }
     base.update(over)
     return TrainingSetup(**base)
 

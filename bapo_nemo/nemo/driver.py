@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         description="BAPO GRPO training on NeMo-RL v0.7.0 (run inside nvcr.io/nvidia/nemo-rl:v0.7.0)",
     )
     parser.add_argument("--config", required=True, help="master config, e.g. configs/bapo_32b.yaml")
-    parser.add_argument("--skip-checks", action="store_true", help="skip bapo-nemo check's rules (not advised)")
+    parser.add_argument(
+        "--skip-checks", action="store_true", help="skip bapo-nemo check's rules (not advised)"
+    )
     return parser.parse_known_args(argv)
 
 
@@ -86,8 +88,6 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omegaconf import OmegaConf
-
     from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl.models.generation import configure_generation_config
     from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
+    from omegaconf import OmegaConf
 
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
@@ -113,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     master_config = MasterConfig(**config)
     master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
     if master_config.checkpointing["enabled"]:
-        print(f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)")
+        print(
+            f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)"
+        )
 
     init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
     tokenizer = get_tokenizer(master_config.policy["tokenizer"])
     megatron_cfg = master_config.policy.get("megatron_cfg") or {}
     master_config.policy["generation"] = configure_generation_config(
-        master_config.policy["generation"], tokenizer,
+        master_config.policy["generation"],
+        tokenizer,
         has_refit_draft_weights=bool(master_config.policy["draft"]["enabled"]),
         trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
     )
@@ -133,10 +137,21 @@ def main(argv: list[str] | None = None) -> int:
 
         partial_hook = install_partial_rollouts(master_config)  # before setup(): it wraps grpo's rollout
 
-    (policy, policy_generation, _nemo_gym, _cluster, dataloader, val_dataloader, _setup_loss_fn, logger,
-     checkpointer, grpo_state, master_config, teacher_worker_groups, alias_to_group_alias) = setup(
-        master_config, tokenizer, dataset, val_dataset
-    )
+    (
+        policy,
+        policy_generation,
+        _nemo_gym,
+        _cluster,
+        dataloader,
+        val_dataloader,
+        _setup_loss_fn,
+        logger,
+        checkpointer,
+        grpo_state,
+        master_config,
+        teacher_worker_groups,
+        alias_to_group_alias,
+    ) = setup(master_config, tokenizer, dataset, val_dataset)
     # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
     loss_fn = make_loss_fn(master_config)
     install_step_bounds(policy, loss_fn, master_config)
@@ -148,17 +163,36 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_rl.algorithms.grpo import async_grpo_train
 
         async_grpo_train(
-            policy=policy, policy_generation=policy_generation, dataloader=dataloader,
-            val_dataloader=val_dataloader, tokenizer=tokenizer, loss_fn=loss_fn, task_to_env=task_to_env,
-            val_task_to_env=val_task_to_env, logger=logger, checkpointer=checkpointer,
-            grpo_save_state=grpo_state, master_config=master_config,
+            policy=policy,
+            policy_generation=policy_generation,
+            dataloader=dataloader,
+            val_dataloader=val_dataloader,
+            tokenizer=tokenizer,
+            loss_fn=loss_fn,
+            task_to_env=task_to_env,
+            val_task_to_env=val_task_to_env,
+            logger=logger,
+            checkpointer=checkpointer,
+            grpo_save_state=grpo_state,
+            master_config=master_config,
             max_trajectory_age_steps=master_config.grpo["async_grpo"]["max_trajectory_age_steps"],
-            teacher_worker_groups=teacher_worker_groups, alias_to_group_alias=alias_to_group_alias,
+            teacher_worker_groups=teacher_worker_groups,
+            alias_to_group_alias=alias_to_group_alias,
         )
     else:
         grpo_train(
-            policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
-            val_task_to_env, logger, checkpointer, grpo_state, master_config,
+            policy,
+            policy_generation,
+            dataloader,
+            val_dataloader,
+            tokenizer,
+            loss_fn,
+            task_to_env,
+            val_task_to_env,
+            logger,
+            checkpointer,
+            grpo_state,
+            master_config,
         )
     return 0
 

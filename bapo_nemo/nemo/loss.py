@@ -46,7 +46,9 @@ def bapo_options_from_loss_config(cfg: ClippedPGLossConfig) -> NemoBAPOOptions:
         key = "disable_ppo_ratio" if cfg.disable_ppo_ratio else "force_on_policy_ratio"
         problems.append(f"loss_fn.{key}=true removes the importance ratio BAPO clips: set it to false")
     if cfg.use_cispo:
-        problems.append("loss_fn.use_cispo=true: CISPO's clipped weights are not BAPO's surrogate; set it to false")
+        problems.append(
+            "loss_fn.use_cispo=true: CISPO's clipped weights are not BAPO's surrogate; set it to false"
+        )
     if cfg.sequence_level_importance_ratios or not cfg.token_level_loss:
         problems.append(
             "BAPO is a token-level objective: set loss_fn.sequence_level_importance_ratios=false and "
@@ -105,8 +107,12 @@ class BAPOLossFn(ClippedPGLossFn):
         weights = None
         if self.use_importance_sampling_correction and reference == "proximal":
             weights = importance_weights_like_nemo(
-                prev, gen, token_mask, self.truncated_importance_sampling_type,
-                self.truncated_importance_sampling_ratio, self.truncated_importance_sampling_ratio_min,
+                prev,
+                gen,
+                token_mask,
+                self.truncated_importance_sampling_type,
+                self.truncated_importance_sampling_ratio,
+                self.truncated_importance_sampling_ratio_min,
             )
         if all(k in data for k in STEP_BOUNDS_KEYS):
             # granularity "step": bounds chosen on the driver for the whole optimizer step.
@@ -115,8 +121,12 @@ class BAPOLossFn(ClippedPGLossFn):
             result = bounds_from_data(data)
         else:
             result = search_clip_bounds(
-                ratio, advantages, mask, self.options.bapo,
-                all_reduce=data_parallel_all_reduce(self.dtensor_tp, self.dtensor_cp), weights=weights,
+                ratio,
+                advantages,
+                mask,
+                self.options.bapo,
+                all_reduce=data_parallel_all_reduce(self.dtensor_tp, self.dtensor_cp),
+                weights=weights,
             )
 
         # Set per call, restored after: the object stays configuration-only between calls.
@@ -129,7 +139,9 @@ class BAPOLossFn(ClippedPGLossFn):
             self.ratio_clip_min, self.ratio_clip_max = self._configured_epsilons
 
         with torch.no_grad():
-            counts = token_sign_counts(ratio, advantages, mask, result.c_low, result.c_high, self.ratio_clip_c)
+            counts = token_sign_counts(
+                ratio, advantages, mask, result.c_low, result.c_high, self.ratio_clip_c
+            )
             metrics.update(nemo_step_metrics(result, counts, float(global_valid_toks)))
             if reference == "behavior":
                 # The proximal-vs-behaviour gap the parent's mismatch metrics no longer see (k3, token mean).

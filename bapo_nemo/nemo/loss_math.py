@@ -18,7 +18,8 @@ value over the step. Our names never contain "_min"/"_max": such names would be 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -27,7 +28,13 @@ from bapo_nemo.algorithm import ClipSearchResult
 # Per-step metrics that are token-weighted means of a per-micro-batch value.
 WEIGHTED_MEAN_METRICS = ("c_low", "c_high", "rho", "rho_initial", "target_met", "steps")
 # Per-step metrics that are shares of all valid tokens of the step.
-TOKEN_SHARE_METRICS = ("pos_token_frac", "neg_token_frac", "clip_high_frac", "clip_low_frac", "dual_clip_frac")
+TOKEN_SHARE_METRICS = (
+    "pos_token_frac",
+    "neg_token_frac",
+    "clip_high_frac",
+    "clip_low_frac",
+    "dual_clip_frac",
+)
 PREFIX = "bapo/"
 
 
@@ -83,11 +90,15 @@ def importance_weights_like_nemo(
     Inputs are already shifted ([:, 1:]). Detached: weights never carry gradient.
     """
     prev_logprobs, generation_logprobs = prev_logprobs.detach(), generation_logprobs.detach()
-    weights = torch.nan_to_num(torch.exp(prev_logprobs - generation_logprobs), nan=0.0, posinf=0.0, neginf=0.0)
+    weights = torch.nan_to_num(
+        torch.exp(prev_logprobs - generation_logprobs), nan=0.0, posinf=0.0, neginf=0.0
+    )
     if truncation_max is None:
         return weights
     if truncation_type == "tis":
-        return torch.clamp(weights, min=truncation_min if truncation_min is not None else 0.0, max=truncation_max)
+        return torch.clamp(
+            weights, min=truncation_min if truncation_min is not None else 0.0, max=truncation_max
+        )
     if truncation_type == "icepop":
         keep = (weights >= truncation_min) & (weights <= truncation_max)
         return torch.where(keep, weights, torch.zeros_like(weights))
@@ -104,16 +115,31 @@ def importance_weights_like_nemo(
 
 
 def token_sign_counts(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, c_low: float, c_high: float,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    c_low: float,
+    c_high: float,
     dual_clip: float | None,
 ) -> dict[str, float]:
     """Counts (local to this call) behind the clip-fraction metrics."""
     valid = mask > 0
     pos, neg = valid & (advantages > 0), valid & (advantages < 0)
     dual = neg & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(neg)
-    stats = torch.stack(
-        [valid.sum(), pos.sum(), neg.sum(), (pos & (ratio > c_high)).sum(), (neg & (ratio < c_low)).sum(), dual.sum()]
-    ).to(torch.float64).tolist()
+    stats = (
+        torch.stack(
+            [
+                valid.sum(),
+                pos.sum(),
+                neg.sum(),
+                (pos & (ratio > c_high)).sum(),
+                (neg & (ratio < c_low)).sum(),
+                dual.sum(),
+            ]
+        )
+        .to(torch.float64)
+        .tolist()
+    )
     return dict(zip(("valid", "pos", "neg", "clip_high", "clip_low", "dual"), stats))
 
 

@@ -42,7 +42,7 @@ class NemoBAPOOptions(BaseModel):
     bapo: BAPOConfig = Field(default_factory=BAPOConfig)
 
     @classmethod
-    def parse(cls, block: dict[str, Any] | None, where: str = "loss_fn.bapo") -> "NemoBAPOOptions":
+    def parse(cls, block: dict[str, Any] | None, where: str = "loss_fn.bapo") -> NemoBAPOOptions:
         """Split the flat YAML block into adapter options and BAPOConfig; errors name the full key."""
         block = dict(block or {})
         adapter = {k: block.pop(k) for k in ADAPTER_KEYS if k in block}

@@ -19,7 +19,8 @@ Cost, precisely:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +29,14 @@ from bapo_nemo.algorithm.bapo import importance_ratio
 from bapo_nemo.nemo.loss_math import importance_weights_like_nemo
 from bapo_nemo.nemo.options import NemoBAPOOptions
 
-STEP_BOUNDS_KEYS = ("bapo_c_low", "bapo_c_high", "bapo_rho", "bapo_rho_initial", "bapo_target_met", "bapo_steps")
+STEP_BOUNDS_KEYS = (
+    "bapo_c_low",
+    "bapo_c_high",
+    "bapo_rho",
+    "bapo_rho_initial",
+    "bapo_target_met",
+    "bapo_steps",
+)
 
 
 def search_step_bounds(
@@ -44,7 +52,10 @@ def search_step_bounds(
     weights = None
     if loss_cfg.get("use_importance_sampling_correction") and options.ratio_reference == "proximal":
         weights = importance_weights_like_nemo(
-            prev, gen, token_mask, loss_cfg.get("truncated_importance_sampling_type"),
+            prev,
+            gen,
+            token_mask,
+            loss_cfg.get("truncated_importance_sampling_type"),
             loss_cfg.get("truncated_importance_sampling_ratio"),
             loss_cfg.get("truncated_importance_sampling_ratio_min"),
         )
@@ -54,7 +65,14 @@ def search_step_bounds(
 def attach_bounds(batch, result: ClipSearchResult) -> None:
     """Per-sample copies of the step's bounds: they survive NeMo-RL's sharding and micro-batching."""
     n = batch["sample_mask"].shape[0]
-    values = (result.c_low, result.c_high, result.rho, result.rho_initial, float(result.target_met), float(result.steps))
+    values = (
+        result.c_low,
+        result.c_high,
+        result.rho,
+        result.rho_initial,
+        float(result.target_met),
+        float(result.steps),
+    )
     for key, value in zip(STEP_BOUNDS_KEYS, values):
         batch[key] = torch.full((n,), value, dtype=torch.float64)
 
@@ -62,7 +80,9 @@ def attach_bounds(batch, result: ClipSearchResult) -> None:
 def bounds_from_data(data) -> ClipSearchResult:
     """The step's bounds as BAPOLossFn sees them inside a micro-batch."""
     c_low, c_high, rho, rho0, met, steps = (float(data[k].reshape(-1)[0]) for k in STEP_BOUNDS_KEYS)
-    return search_result(c_low=c_low, c_high=c_high, rho=rho, rho_initial=rho0, target_met=bool(met), steps=int(steps))
+    return search_result(
+        c_low=c_low, c_high=c_high, rho=rho, rho_initial=rho0, target_met=bool(met), steps=int(steps)
+    )
 
 
 def search_result(**known) -> ClipSearchResult:
@@ -85,7 +105,15 @@ def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     all_mb: dict[str, list] = {}
     for r in results:
         for name, values in r.get("all_mb_metrics", {}).items():
-            scale = 1.0 if ("_min" in name or "_max" in name or name in ("lr", "wd", "global_valid_seqs", "global_valid_toks")) else 1.0 / k
+            scale = (
+                1.0
+                if (
+                    "_min" in name
+                    or "_max" in name
+                    or name in ("lr", "wd", "global_valid_seqs", "global_valid_toks")
+                )
+                else 1.0 / k
+            )
             all_mb.setdefault(name, []).extend(v * scale for v in values)
     merged.update(results[-1])
     merged["all_mb_metrics"] = all_mb
@@ -96,17 +124,31 @@ def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
 class StepBoundsTrainer:
     """Drop-in for `policy.train` on the driver (grpo_train calls `policy.train(data, loss_fn, timer=...)`)."""
 
-    def __init__(self, policy, options: NemoBAPOOptions, loss_cfg: dict[str, Any], global_batch_size: int,
-                 train_fn: Callable | None = None):
+    def __init__(
+        self,
+        policy,
+        options: NemoBAPOOptions,
+        loss_cfg: dict[str, Any],
+        global_batch_size: int,
+        train_fn: Callable | None = None,
+    ):
         self.policy = policy
         self.options = options
         self.loss_cfg = loss_cfg
         self.global_batch_size = int(global_batch_size)
         self.train_fn = train_fn or policy.train  # the original bound method
 
-    def __call__(self, data, loss_fn, eval_mode: bool = False, gbs: int | None = None, mbs: int | None = None,
-                 timer=None, check_dim_skip_keys=None):
-        kwargs = dict(mbs=mbs, timer=timer, check_dim_skip_keys=check_dim_skip_keys)
+    def __call__(
+        self,
+        data,
+        loss_fn,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer=None,
+        check_dim_skip_keys=None,
+    ):
+        kwargs = {"mbs": mbs, "timer": timer, "check_dim_skip_keys": check_dim_skip_keys}
         if eval_mode:
             return self.train_fn(data, loss_fn, eval_mode=True, gbs=gbs, **kwargs)
         gbs = int(gbs or self.global_batch_size)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -18,14 +17,23 @@ from bapo_nemo.plan.models import UnknownModelError, resolve_model
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="NeMo-RL master config (YAML; `defaults:` inheritance is followed)")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. cluster.num_nodes=8 ++a.b=1")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra-style overrides, e.g. cluster.num_nodes=8 ++a.b=1"
+    )
     parser.add_argument("--nodes", type=int, required=True, help="nodes of the job")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
-    parser.add_argument("--gpu", choices=sorted(GPU_CAPACITY_GB), default="h100-80gb", help="GPU model (memory)")
-    parser.add_argument("--hf-config", default=None,
-                        help="local HF config.json of the model (default: policy.model_name if it is a local "
-                             "directory, else the built-in table)")
-    parser.add_argument("--no-path-checks", action="store_true", help="skip existence checks of absolute paths")
+    parser.add_argument(
+        "--gpu", choices=sorted(GPU_CAPACITY_GB), default="h100-80gb", help="GPU model (memory)"
+    )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        help="local HF config.json of the model (default: policy.model_name if it is a local "
+        "directory, else the built-in table)",
+    )
+    parser.add_argument(
+        "--no-path-checks", action="store_true", help="skip existence checks of absolute paths"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
 
@@ -43,56 +51,83 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
     mem = None
     if plan is not None and model is not None:
         if plan.backend != "megatron":
-            findings.append(Finding("warning", "policy.megatron_cfg.enabled",
-                                    "the memory model covers the Megatron backend; the DTensor estimate is indicative"))
+            findings.append(
+                Finding(
+                    "warning",
+                    "policy.megatron_cfg.enabled",
+                    "the memory model covers the Megatron backend; the DTensor estimate is indicative",
+                )
+            )
         mem = estimate(model, plan.parallel, plan.training, plan.generation, args.gpu)
         if not mem.fits:
-            findings.append(Finding("error", "policy.megatron_cfg",
-                                    f"estimated peak {mem.peak / GB:.1f} GB exceeds {mem.capacity / GB:.0f} GB per GPU: "
-                                    "raise TP/CP/PP, turn on activation_checkpointing, or lower "
-                                    "gpu_memory_utilization / train_mb_tokens"))
+            findings.append(
+                Finding(
+                    "error",
+                    "policy.megatron_cfg",
+                    f"estimated peak {mem.peak / GB:.1f} GB exceeds {mem.capacity / GB:.0f} GB per GPU: "
+                    "raise TP/CP/PP, turn on activation_checkpointing, or lower "
+                    "gpu_memory_utilization / train_mb_tokens",
+                )
+            )
     return config, findings, mem, plan
 
 
 def main(args) -> int:
     console = Console(width=130)
     try:
-        config, findings, mem, plan = run_check(args)
+        _, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
     errors = [x for x in findings if x.level == "error"]
     if args.json:
-        print(json.dumps({
-            "ok": not errors,
-            "findings": [x.__dict__ for x in findings],
-            "parallel": plan.parallel.__dict__ if plan else None,
-            "memory_gb": None if mem is None else {
-                "training": {k: v / GB for k, v in mem.terms.items()}, "training_peak": mem.training_peak / GB,
-                "generation": {k: v / GB for k, v in mem.generation_terms.items()},
-                "generation_peak": mem.generation_peak / GB, "capacity": mem.capacity / GB,
-                "margin": mem.margin / GB, "fits": mem.fits,
-            },
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": not errors,
+                    "findings": [x.__dict__ for x in findings],
+                    "parallel": plan.parallel.__dict__ if plan else None,
+                    "memory_gb": None
+                    if mem is None
+                    else {
+                        "training": {k: v / GB for k, v in mem.terms.items()},
+                        "training_peak": mem.training_peak / GB,
+                        "generation": {k: v / GB for k, v in mem.generation_terms.items()},
+                        "generation_peak": mem.generation_peak / GB,
+                        "capacity": mem.capacity / GB,
+                        "margin": mem.margin / GB,
+                        "fits": mem.fits,
+                    },
+                },
+                indent=2,
+            )
+        )
         return 1 if errors else 0
 
     console.print(f"[bold]{args.config}[/] on {args.nodes} x {args.gpus_per_node} {args.gpu}")
     if plan is not None:
         p = plan.parallel
-        console.print(f"backend {plan.backend}: {plan.train_gpus} training GPUs = TP {p.tp} x PP {p.pp} x CP {p.cp} "
-                      f"x DP {p.dp}; sequence parallel {p.sequence_parallel}; generation "
-                      f"{'colocated' if plan.generation.colocated else f'on {plan.generation_gpus} GPUs'}")
+        console.print(
+            f"backend {plan.backend}: {plan.train_gpus} training GPUs = TP {p.tp} x PP {p.pp} x CP {p.cp} "
+            f"x DP {p.dp}; sequence parallel {p.sequence_parallel}; generation "
+            f"{'colocated' if plan.generation.colocated else f'on {plan.generation_gpus} GPUs'}"
+        )
     if mem is not None:
         table = Table(title="estimated memory per GPU (GB)", show_lines=False)
         table.add_column("phase / term")
         table.add_column("GB", justify="right")
         for name, b in mem.terms.items():
             table.add_row(f"train: {name}", f"{b / GB:.1f}")
-        table.add_row("[bold]training peak[/] (+10% fragmentation, +4 GB runtime)", f"[bold]{mem.training_peak / GB:.1f}[/]")
+        table.add_row(
+            "[bold]training peak[/] (+10% fragmentation, +4 GB runtime)",
+            f"[bold]{mem.training_peak / GB:.1f}[/]",
+        )
         for name, b in mem.generation_terms.items():
             table.add_row(f"generation: {name}", f"{b / GB:.1f}")
         if mem.generation_terms:
-            table.add_row("[bold]generation peak[/] (+4 GB runtime)", f"[bold]{mem.generation_peak / GB:.1f}[/]")
+            table.add_row(
+                "[bold]generation peak[/] (+4 GB runtime)", f"[bold]{mem.generation_peak / GB:.1f}[/]"
+            )
         verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
         table.add_row(f"{verdict} in {mem.capacity / GB:.0f} GB", f"margin {mem.margin / GB:.1f}")
         console.print(table)
@@ -104,5 +139,7 @@ def main(args) -> int:
         for x in findings:
             table.add_row("[red]error[/]" if x.level == "error" else "[yellow]warning[/]", x.key, x.message)
         console.print(table)
-    console.print(f"[bold]{'FAILED' if errors else 'OK'}[/]: {len(errors)} error(s), {len(findings) - len(errors)} warning(s)")
+    console.print(
+        f"[bold]{'FAILED' if errors else 'OK'}[/]: {len(errors)} error(s), {len(findings) - len(errors)} warning(s)"
+    )
     return 1 if errors else 0

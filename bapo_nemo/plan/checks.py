@@ -85,20 +85,39 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
     # v0.7.0's base config enables DTensor; Megatron configs switch it off explicitly.
     dtensor = bool(get(config, "policy.dtensor_cfg.enabled", not megatron))
     if megatron and dtensor:
-        f.append(Finding("error", "policy.dtensor_cfg.enabled",
-                         "both Megatron and DTensor are enabled: set policy.dtensor_cfg.enabled=false for Megatron"))
+        f.append(
+            Finding(
+                "error",
+                "policy.dtensor_cfg.enabled",
+                "both Megatron and DTensor are enabled: set policy.dtensor_cfg.enabled=false for Megatron",
+            )
+        )
     prefix = "policy.megatron_cfg" if megatron else "policy.dtensor_cfg"
-    tp = int(value(config, f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size"))
+    tp = int(
+        value(
+            config, f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size"
+        )
+    )
     pp = int(value(config, f"{prefix}.pipeline_model_parallel_size")) if megatron else 1
     cp = int(value(config, f"{prefix}.context_parallel_size"))
-    sp = bool(value(config, f"{prefix}.sequence_parallel")) if megatron else bool(get(config, f"{prefix}.sequence_parallel", False))
+    sp = (
+        bool(value(config, f"{prefix}.sequence_parallel"))
+        if megatron
+        else bool(get(config, f"{prefix}.sequence_parallel", False))
+    )
 
     for key, want in (("cluster.num_nodes", nodes), ("cluster.gpus_per_node", gpus_per_node)):
         have = value(config, key)
         if have != want:
             flag = "--nodes" if key.endswith("num_nodes") else "--gpus-per-node"
-            f.append(Finding("error", key, f"{key}={have} but the job has {flag} {want}: set ++{key}={want} "
-                             "(NeMo-RL builds its Ray placement groups from the config, not from Slurm)"))
+            f.append(
+                Finding(
+                    "error",
+                    key,
+                    f"{key}={have} but the job has {flag} {want}: set ++{key}={want} "
+                    "(NeMo-RL builds its Ray placement groups from the config, not from Slurm)",
+                )
+            )
     world = nodes * gpus_per_node
     colocated = bool(value(config, "policy.generation.colocated.enabled"))
     gen_gpus = 0
@@ -107,36 +126,66 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
         if nodes == 1:
             gen_gpus = int(res.get("gpus_per_node") or 0)
             if not gen_gpus:
-                f.append(Finding("error", "policy.generation.colocated.resources.gpus_per_node",
-                                 "non-colocated generation on one node needs the number of generation GPUs"))
+                f.append(
+                    Finding(
+                        "error",
+                        "policy.generation.colocated.resources.gpus_per_node",
+                        "non-colocated generation on one node needs the number of generation GPUs",
+                    )
+                )
         else:
             gen_nodes = int(res.get("num_nodes") or 0)
             if not gen_nodes:
-                f.append(Finding("error", "policy.generation.colocated.resources.num_nodes",
-                                 "non-colocated generation on several nodes needs the number of generation nodes"))
+                f.append(
+                    Finding(
+                        "error",
+                        "policy.generation.colocated.resources.num_nodes",
+                        "non-colocated generation on several nodes needs the number of generation nodes",
+                    )
+                )
             gen_gpus = gen_nodes * gpus_per_node
     train_gpus = world - gen_gpus
     model_parallel = tp * pp * cp
     if train_gpus <= 0:
-        f.append(Finding("error", "policy.generation.colocated.resources",
-                         f"generation takes {gen_gpus} of {world} GPUs: nothing is left for training"))
+        f.append(
+            Finding(
+                "error",
+                "policy.generation.colocated.resources",
+                f"generation takes {gen_gpus} of {world} GPUs: nothing is left for training",
+            )
+        )
         return None, f
     if train_gpus % model_parallel:
-        f.append(Finding("error", f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size",
-                         f"{train_gpus} training GPUs are not a multiple of TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}: "
-                         f"change the parallel sizes or the number of nodes"))
+        f.append(
+            Finding(
+                "error",
+                f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size",
+                f"{train_gpus} training GPUs are not a multiple of TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}: "
+                f"change the parallel sizes or the number of nodes",
+            )
+        )
         return None, f
     dp = train_gpus // model_parallel
     if sp and tp == 1:
-        f.append(Finding("warning", f"{prefix}.sequence_parallel", "sequence_parallel with TP=1 does nothing: set it false"))
+        f.append(
+            Finding(
+                "warning",
+                f"{prefix}.sequence_parallel",
+                "sequence_parallel with TP=1 does nothing: set it false",
+            )
+        )
     mbs = int(value(config, "policy.train_micro_batch_size"))
     gbs = int(value(config, "policy.train_global_batch_size"))
     packing = bool(value(config, "policy.sequence_packing.enabled"))
     seq = int(value(config, "policy.max_total_sequence_length"))
-    mb_tokens = int(get(config, "policy.sequence_packing.train_mb_tokens", seq * mbs)) if packing else seq * mbs
+    mb_tokens = (
+        int(get(config, "policy.sequence_packing.train_mb_tokens", seq * mbs)) if packing else seq * mbs
+    )
     if megatron and packing and bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")):
         # FP8 pads each packed micro-batch to block * 2*CP * TP(SP) tokens (v0.7.0 megatron/data.py).
-        block = {"blockwise": 128, "mxfp8": 32}.get(value(config, "policy.megatron_cfg.fp8_cfg.fp8_recipe"), 16)
+        block = {"blockwise": 128, "mxfp8": 32}.get(
+            value(config, "policy.megatron_cfg.fp8_cfg.fp8_recipe"), 16
+        )
         pad = block * (2 * cp if cp > 1 else 1) * (tp if (tp > 1 and sp) else 1)
         mb_tokens = -(-mb_tokens // pad) * pad
     per_rank_samples = gbs // dp if dp else gbs
@@ -144,22 +193,38 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
     training = TrainingSetup(
         micro_batch_tokens=mb_tokens,
         micro_batches_per_step=micro_batches,
-        activation_checkpointing=bool(value(config, f"{prefix}.activation_checkpointing")) if megatron
+        activation_checkpointing=bool(value(config, f"{prefix}.activation_checkpointing"))
+        if megatron
         else bool(get(config, f"{prefix}.activation_checkpointing", False)),
         fp8=megatron and bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")),
         fp8_param=megatron and bool(value(config, "policy.megatron_cfg.fp8_cfg.fp8_param")),
-        grad_reduce_in_fp32=bool(value(config, "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32")),
-        distributed_optimizer=bool(value(config, "policy.megatron_cfg.optimizer.use_distributed_optimizer")) if megatron else True,
-        optimizer_cpu_offload=bool(value(config, "policy.megatron_cfg.optimizer.optimizer_cpu_offload")) if megatron else False,
+        grad_reduce_in_fp32=bool(
+            value(config, "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32")
+        ),
+        distributed_optimizer=bool(value(config, "policy.megatron_cfg.optimizer.use_distributed_optimizer"))
+        if megatron
+        else True,
+        optimizer_cpu_offload=bool(value(config, "policy.megatron_cfg.optimizer.optimizer_cpu_offload"))
+        if megatron
+        else False,
     )
-    generation = GenerationSetup(colocated, float(value(config, "policy.generation.vllm_cfg.gpu_memory_utilization")))
-    plan = ClusterPlan("megatron" if megatron else "dtensor", train_gpus, gen_gpus,
-                       Parallelism(tp, pp, cp, dp, sp), training, generation)
+    generation = GenerationSetup(
+        colocated, float(value(config, "policy.generation.vllm_cfg.gpu_memory_utilization"))
+    )
+    plan = ClusterPlan(
+        "megatron" if megatron else "dtensor",
+        train_gpus,
+        gen_gpus,
+        Parallelism(tp, pp, cp, dp, sp),
+        training,
+        generation,
+    )
     return plan, f
 
 
-def check_config(config: dict, plan: ClusterPlan | None, model: ModelShape | None,
-                 check_paths: bool = True) -> list[Finding]:
+def check_config(
+    config: dict, plan: ClusterPlan | None, model: ModelShape | None, check_paths: bool = True
+) -> list[Finding]:
     """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip)."""
     f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
     f += _bapo_block(config)
@@ -196,46 +261,87 @@ def _parallel_rules(config: dict, plan: ClusterPlan, model: ModelShape | None) -
     f: list[Finding] = []
     par = plan.parallel
     prefix = "policy.megatron_cfg" if plan.backend == "megatron" else "policy.dtensor_cfg"
-    tp_key = f"{prefix}.tensor_model_parallel_size" if plan.backend == "megatron" else f"{prefix}.tensor_parallel_size"
+    tp_key = (
+        f"{prefix}.tensor_model_parallel_size"
+        if plan.backend == "megatron"
+        else f"{prefix}.tensor_parallel_size"
+    )
     if model is not None:
         if model.num_attention_heads % par.tp:
-            f.append(Finding("error", tp_key, f"TP={par.tp} does not divide the {model.num_attention_heads} attention "
-                             f"heads of {model.name}: use a divisor of {model.num_attention_heads}"))
+            f.append(
+                Finding(
+                    "error",
+                    tp_key,
+                    f"TP={par.tp} does not divide the {model.num_attention_heads} attention "
+                    f"heads of {model.name}: use a divisor of {model.num_attention_heads}",
+                )
+            )
         if model.num_key_value_heads % par.tp and par.tp % model.num_key_value_heads:
-            f.append(Finding("error", tp_key, f"TP={par.tp} and the {model.num_key_value_heads} KV heads of {model.name} "
-                             "do not divide each other (Megatron needs one to divide the other)"))
+            f.append(
+                Finding(
+                    "error",
+                    tp_key,
+                    f"TP={par.tp} and the {model.num_key_value_heads} KV heads of {model.name} "
+                    "do not divide each other (Megatron needs one to divide the other)",
+                )
+            )
         if model.num_layers % par.pp:
-            f.append(Finding("warning", f"{prefix}.pipeline_model_parallel_size",
-                             f"PP={par.pp} does not divide {model.num_layers} layers: set "
-                             "num_layers_in_first/last_pipeline_stage or the stages are unbalanced"))
+            f.append(
+                Finding(
+                    "warning",
+                    f"{prefix}.pipeline_model_parallel_size",
+                    f"PP={par.pp} does not divide {model.num_layers} layers: set "
+                    "num_layers_in_first/last_pipeline_stage or the stages are unbalanced",
+                )
+            )
     packing = bool(value(config, "policy.sequence_packing.enabled"))
     if plan.backend == "megatron":
         divisible = int(value(config, "policy.make_sequence_length_divisible_by") or 1)
         factor = (2 * par.cp if par.cp > 1 else 1) * (par.tp if (par.tp > 1 and par.sequence_parallel) else 1)
         if divisible % factor:
-            f.append(Finding("error", "policy.make_sequence_length_divisible_by",
-                             f"{divisible} is not a multiple of {factor} (2*CP={2 * par.cp if par.cp > 1 else 1}"
-                             f"{' x TP with sequence parallel' if par.sequence_parallel and par.tp > 1 else ''}): "
-                             f"set it to {factor} or a multiple"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.make_sequence_length_divisible_by",
+                    f"{divisible} is not a multiple of {factor} (2*CP={2 * par.cp if par.cp > 1 else 1}"
+                    f"{' x TP with sequence parallel' if par.sequence_parallel and par.tp > 1 else ''}): "
+                    f"set it to {factor} or a multiple",
+                )
+            )
         if par.cp > 1 and not packing:
-            f.append(Finding("error", "policy.sequence_packing.enabled",
-                             "context parallelism needs sequence packing in NeMo-RL's Megatron path: set it true"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.sequence_packing.enabled",
+                    "context parallelism needs sequence packing in NeMo-RL's Megatron path: set it true",
+                )
+            )
         if bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")):
             recipe = value(config, "policy.megatron_cfg.fp8_cfg.fp8_recipe")
             block = {"blockwise": 128, "mxfp8": 32}.get(recipe, 16)
             seq = int(value(config, "policy.max_total_sequence_length"))
             pad = block * factor
             if seq % pad:
-                f.append(Finding("warning", "policy.max_total_sequence_length",
-                                 f"FP8 {recipe} pads packed micro-batches to a multiple of {pad} ({block} x {factor}): "
-                                 f"{seq} is not one, so the longest micro-batch grows to {-(-seq // pad) * pad} tokens"))
+                f.append(
+                    Finding(
+                        "warning",
+                        "policy.max_total_sequence_length",
+                        f"FP8 {recipe} pads packed micro-batches to a multiple of {pad} ({block} x {factor}): "
+                        f"{seq} is not one, so the longest micro-batch grows to {-(-seq // pad) * pad} tokens",
+                    )
+                )
     tp_logprob_rule = par.tp >= 4 and "logprob_batch_size" in (config.get("policy") or {})
     if tp_logprob_rule and not bool(value(config, "loss_fn.force_on_policy_ratio")):
         mbs, lbs = value(config, "policy.train_micro_batch_size"), get(config, "policy.logprob_batch_size")
         if mbs != lbs:
-            f.append(Finding("error", "policy.logprob_batch_size",
-                             f"TP={par.tp} >= 4 needs logprob_batch_size == train_micro_batch_size ({lbs} != {mbs}) "
-                             "(NeMo-RL's batch-variant accuracy assert): set both equal"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.logprob_batch_size",
+                    f"TP={par.tp} >= 4 needs logprob_batch_size == train_micro_batch_size ({lbs} != {mbs}) "
+                    "(NeMo-RL's batch-variant accuracy assert): set both equal",
+                )
+            )
     return f
 
 
@@ -243,18 +349,35 @@ def _batch_rules(config: dict, plan: ClusterPlan) -> list[Finding]:
     f: list[Finding] = []
     gbs = int(value(config, "policy.train_global_batch_size"))
     mbs = int(value(config, "policy.train_micro_batch_size"))
-    rollout = int(value(config, "grpo.num_prompts_per_step")) * int(value(config, "grpo.num_generations_per_prompt"))
+    rollout = int(value(config, "grpo.num_prompts_per_step")) * int(
+        value(config, "grpo.num_generations_per_prompt")
+    )
     dp = plan.parallel.dp
     if gbs % dp:
-        f.append(Finding("error", "policy.train_global_batch_size",
-                         f"{gbs} is not a multiple of the data-parallel size {dp}: use a multiple of {dp}"))
+        f.append(
+            Finding(
+                "error",
+                "policy.train_global_batch_size",
+                f"{gbs} is not a multiple of the data-parallel size {dp}: use a multiple of {dp}",
+            )
+        )
     elif (gbs // dp) % mbs and not bool(value(config, "policy.sequence_packing.enabled")):
-        f.append(Finding("error", "policy.train_micro_batch_size",
-                         f"{gbs // dp} samples per DP rank are not a multiple of the micro-batch size {mbs}"))
+        f.append(
+            Finding(
+                "error",
+                "policy.train_micro_batch_size",
+                f"{gbs // dp} samples per DP rank are not a multiple of the micro-batch size {mbs}",
+            )
+        )
     if rollout % gbs:
-        f.append(Finding("error", "policy.train_global_batch_size",
-                         f"a rollout batch of {rollout} samples (num_prompts_per_step x num_generations_per_prompt) "
-                         f"is not a multiple of train_global_batch_size={gbs}"))
+        f.append(
+            Finding(
+                "error",
+                "policy.train_global_batch_size",
+                f"a rollout batch of {rollout} samples (num_prompts_per_step x num_generations_per_prompt) "
+                f"is not a multiple of train_global_batch_size={gbs}",
+            )
+        )
     return f
 
 
@@ -263,33 +386,69 @@ def _generation_rules(config: dict, plan: ClusterPlan | None, model: ModelShape 
     precision = value(config, "policy.generation.vllm_cfg.precision")
     is_corr = bool(value(config, "loss_fn.use_importance_sampling_correction"))
     if precision == "fp8" and not is_corr:
-        f.append(Finding("error", "loss_fn.use_importance_sampling_correction",
-                         "FP8 vLLM generation (policy.generation.vllm_cfg.precision=fp8) samples from a different "
-                         "policy than the bf16/FP8 trainer: set loss_fn.use_importance_sampling_correction=true"))
+        f.append(
+            Finding(
+                "error",
+                "loss_fn.use_importance_sampling_correction",
+                "FP8 vLLM generation (policy.generation.vllm_cfg.precision=fp8) samples from a different "
+                "policy than the bf16/FP8 trainer: set loss_fn.use_importance_sampling_correction=true",
+            )
+        )
     if bool(value(config, "grpo.async_grpo.enabled")):
         if not is_corr:
-            f.append(Finding("error", "loss_fn.use_importance_sampling_correction",
-                             "async GRPO trains on stale rollouts: set it true"))
+            f.append(
+                Finding(
+                    "error",
+                    "loss_fn.use_importance_sampling_correction",
+                    "async GRPO trains on stale rollouts: set it true",
+                )
+            )
         if bool(value(config, "policy.generation.colocated.enabled")):
-            f.append(Finding("error", "policy.generation.colocated.enabled",
-                             "async GRPO needs dedicated generation GPUs: set it false and size colocated.resources"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.generation.colocated.enabled",
+                    "async GRPO needs dedicated generation GPUs: set it false and size colocated.resources",
+                )
+            )
         if not bool(value(config, "policy.generation.vllm_cfg.async_engine")):
-            f.append(Finding("error", "policy.generation.vllm_cfg.async_engine", "async GRPO needs the async vLLM engine: set it true"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.generation.vllm_cfg.async_engine",
+                    "async GRPO needs the async vLLM engine: set it true",
+                )
+            )
     vllm_tp = int(value(config, "policy.generation.vllm_cfg.tensor_parallel_size"))
     vllm_pp = int(value(config, "policy.generation.vllm_cfg.pipeline_parallel_size"))
     if model is not None and model.num_attention_heads % vllm_tp:
-        f.append(Finding("error", "policy.generation.vllm_cfg.tensor_parallel_size",
-                         f"vLLM TP={vllm_tp} does not divide the {model.num_attention_heads} attention heads"))
+        f.append(
+            Finding(
+                "error",
+                "policy.generation.vllm_cfg.tensor_parallel_size",
+                f"vLLM TP={vllm_tp} does not divide the {model.num_attention_heads} attention heads",
+            )
+        )
     if plan is not None:
         gen_gpus = plan.generation_gpus or plan.train_gpus
         if gen_gpus % (vllm_tp * vllm_pp):
-            f.append(Finding("error", "policy.generation.vllm_cfg.tensor_parallel_size",
-                             f"{gen_gpus} generation GPUs are not a multiple of vLLM TP*PP = {vllm_tp * vllm_pp}"))
+            f.append(
+                Finding(
+                    "error",
+                    "policy.generation.vllm_cfg.tensor_parallel_size",
+                    f"{gen_gpus} generation GPUs are not a multiple of vLLM TP*PP = {vllm_tp * vllm_pp}",
+                )
+            )
     seq = int(value(config, "policy.max_total_sequence_length"))
     max_len = get(config, "policy.generation.vllm_cfg.max_model_len", seq)
     if max_len is not None and int(max_len) < seq:
-        f.append(Finding("warning", "policy.generation.vllm_cfg.max_model_len",
-                         f"{max_len} < max_total_sequence_length={seq}: responses are cut at {max_len}"))
+        f.append(
+            Finding(
+                "warning",
+                "policy.generation.vllm_cfg.max_model_len",
+                f"{max_len} < max_total_sequence_length={seq}: responses are cut at {max_len}",
+            )
+        )
     return f
 
 
@@ -298,40 +457,70 @@ def _loss_rules(config: dict, plan: ClusterPlan | None) -> list[Finding]:
         return []
     f: list[Finding] = []
     packing = bool(value(config, "policy.sequence_packing.enabled"))
-    backend = plan.backend if plan else ("megatron" if value(config, "policy.megatron_cfg.enabled") else "dtensor")
+    backend = (
+        plan.backend if plan else ("megatron" if value(config, "policy.megatron_cfg.enabled") else "dtensor")
+    )
     if packing and backend == "megatron" and not bool(value(config, "policy.sequence_packing.fuse_loss")):
-        f.append(Finding("error", "policy.sequence_packing.fuse_loss",
-                         "BAPO's bounds are statistics of the whole micro-batch, but with fuse_loss=false NeMo-RL "
-                         "calls the loss once per packed sequence (different bounds per sequence, and DP ranks with "
-                         "different sequence counts deadlock in the reduction): set it true"))
+        f.append(
+            Finding(
+                "error",
+                "policy.sequence_packing.fuse_loss",
+                "BAPO's bounds are statistics of the whole micro-batch, but with fuse_loss=false NeMo-RL "
+                "calls the loss once per packed sequence (different bounds per sequence, and DP ranks with "
+                "different sequence counts deadlock in the reduction): set it true",
+            )
+        )
     if packing and backend == "dtensor":
-        f.append(Finding("error", "policy.sequence_packing.enabled",
-                         "the DTensor backend of v0.7.0 always calls the loss once per packed sequence (no fused "
-                         "packed loss): set sequence_packing.enabled=false (dynamic_batching is fine) or use Megatron"))
-    for key in ("loss_fn.force_on_policy_ratio", "loss_fn.disable_ppo_ratio", "loss_fn.use_cispo",
-                "loss_fn.sequence_level_importance_ratios"):
+        f.append(
+            Finding(
+                "error",
+                "policy.sequence_packing.enabled",
+                "the DTensor backend of v0.7.0 always calls the loss once per packed sequence (no fused "
+                "packed loss): set sequence_packing.enabled=false (dynamic_batching is fine) or use Megatron",
+            )
+        )
+    for key in (
+        "loss_fn.force_on_policy_ratio",
+        "loss_fn.disable_ppo_ratio",
+        "loss_fn.use_cispo",
+        "loss_fn.sequence_level_importance_ratios",
+    ):
         if get(config, key, False):
             f.append(Finding("error", key, "removes or replaces the token ratio BAPO clips: set it false"))
     block = get(config, "loss_fn.bapo") or {}
     reference = block.get("ratio_reference", "behavior")
-    rollout = int(value(config, "grpo.num_prompts_per_step")) * int(value(config, "grpo.num_generations_per_prompt"))
+    rollout = int(value(config, "grpo.num_prompts_per_step")) * int(
+        value(config, "grpo.num_generations_per_prompt")
+    )
     gbs = int(value(config, "policy.train_global_batch_size"))
     if reference == "proximal" and rollout == gbs and not bool(value(config, "grpo.async_grpo.enabled")):
-        f.append(Finding("warning", "loss_fn.bapo.ratio_reference",
-                         "proximal reference with one optimizer step per rollout batch: the clipped ratio is 1 and "
-                         "BAPO never clips; use ratio_reference=behavior or several optimizer steps per batch"))
+        f.append(
+            Finding(
+                "warning",
+                "loss_fn.bapo.ratio_reference",
+                "proximal reference with one optimizer step per rollout batch: the clipped ratio is 1 and "
+                "BAPO never clips; use ratio_reference=behavior or several optimizer steps per batch",
+            )
+        )
     if block.get("granularity") == "step" and rollout > gbs:
-        f.append(Finding("warning", "loss_fn.bapo.granularity",
-                         f"step granularity with {rollout // gbs} optimizer steps per rollout batch costs "
-                         f"{rollout // gbs - 1} extra log-prob pass(es) per step, and the LR scheduler ticks per optimizer step"))
+        f.append(
+            Finding(
+                "warning",
+                "loss_fn.bapo.granularity",
+                f"step granularity with {rollout // gbs} optimizer steps per rollout batch costs "
+                f"{rollout // gbs - 1} extra log-prob pass(es) per step, and the LR scheduler ticks per optimizer step",
+            )
+        )
     return f
 
 
 def _path_rules(config: dict) -> list[Finding]:
     """Absolute paths that must exist before the job starts (relative ones resolve on the cluster)."""
     f: list[Finding] = []
-    candidates = [("policy.model_name", get(config, "policy.model_name")),
-                  ("policy.tokenizer.name", get(config, "policy.tokenizer.name"))]
+    candidates = [
+        ("policy.model_name", get(config, "policy.model_name")),
+        ("policy.tokenizer.name", get(config, "policy.tokenizer.name")),
+    ]
     for section in ("train", "validation"):
         entries = get(config, f"data.{section}")
         entries = entries if isinstance(entries, list) else [entries]
@@ -340,7 +529,9 @@ def _path_rules(config: dict) -> list[Finding]:
                 candidates.append((f"data.{section}[{i}].data_path", entry["data_path"]))
     for key, path in candidates:
         if isinstance(path, str) and path.startswith("/") and not Path(path).exists():
-            f.append(Finding("error", key, f"{path} does not exist (mount it into the container or fix the path)"))
+            f.append(
+                Finding("error", key, f"{path} does not exist (mount it into the container or fix the path)")
+            )
     ckpt = get(config, "checkpointing.checkpoint_dir")
     if isinstance(ckpt, str) and ckpt.startswith("/") and not Path(ckpt).parent.exists():
         f.append(Finding("warning", "checkpointing.checkpoint_dir", f"parent of {ckpt} does not exist here"))

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 class ConfigLoadError(ValueError):
@@ -20,7 +21,11 @@ class ConfigLoadError(ValueError):
 
 
 def register_resolvers() -> None:
-    for name, fn in (("mul", lambda a, b: a * b), ("div", lambda a, b: a / b), ("max", lambda a, b: max(a, b))):
+    for name, fn in (
+        ("mul", lambda a, b: a * b),
+        ("div", lambda a, b: a / b),
+        ("max", lambda a, b: max(a, b)),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -41,7 +46,7 @@ def load_with_defaults(path: str | Path) -> DictConfig:
         raise ConfigLoadError(f"{path}: no such config file")
     try:
         config = OmegaConf.load(path)
-    except Exception as exc:  # yaml errors carry the line
+    except (OSError, ValueError) as exc:  # yaml errors (ValueError subclasses here) carry the line
         raise ConfigLoadError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(config, DictConfig):
         raise ConfigLoadError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
@@ -74,7 +79,9 @@ def apply_overrides(config: DictConfig, overrides: list[str]) -> DictConfig:
         add = key.startswith("+")
         key = key.lstrip("+")
         if not add and OmegaConf.select(config, key, default="__missing__") == "__missing__":
-            raise ConfigLoadError(f"override {item!r}: {key} is not in the config; use ++{key}={raw} to add it")
+            raise ConfigLoadError(
+                f"override {item!r}: {key} is not in the config; use ++{key}={raw} to add it"
+            )
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:
@@ -89,7 +96,7 @@ def load_nemo_config(path: str | Path, overrides: list[str] | None = None) -> di
     config = apply_overrides(load_with_defaults(path), list(overrides or []))
     try:
         return OmegaConf.to_container(config, resolve=True)
-    except Exception as exc:
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigLoadError(f"{path}: cannot resolve an interpolation: {exc}") from None
 
 

@@ -178,6 +178,9 @@ def estimate(
         }
         generation_peak = sum(generation_terms.values()) + RUNTIME_RESERVE_BYTES
     return MemoryEstimate(
-        terms=terms, training_peak=training_peak, generation_peak=generation_peak,
-        generation_terms=generation_terms, capacity=capacity,
+        terms=terms,
+        training_peak=training_peak,
+        generation_peak=generation_peak,
+        generation_terms=generation_terms,
+        capacity=capacity,
     )

@@ -18,9 +18,18 @@ from typing import Any
 
 # Sections whose contents NeMo-RL passes through or validates elsewhere.
 OPEN_SECTIONS = (
-    "env", "data.train", "data.validation", "data.default", "policy.hf_config_overrides",
-    "policy.generation.vllm_kwargs", "policy.dtensor_cfg.automodel_kwargs", "policy.tokenizer.chat_template_kwargs",
-    "logger.wandb", "logger.swanlab", "logger.tensorboard", "on_policy_distillation",
+    "env",
+    "data.train",
+    "data.validation",
+    "data.default",
+    "policy.hf_config_overrides",
+    "policy.generation.vllm_kwargs",
+    "policy.dtensor_cfg.automodel_kwargs",
+    "policy.tokenizer.chat_template_kwargs",
+    "logger.wandb",
+    "logger.swanlab",
+    "logger.tensorboard",
+    "on_policy_distillation",
     "policy.generation.vllm_cfg.http_server_serving_chat_kwargs",
 )
 # Blocks of ours: `loss_fn.bapo` (NemoBAPOOptions) and `partial_rollouts` (PartialRolloutConfig).
@@ -44,7 +53,10 @@ def known_keys() -> frozenset[str]:
 
 
 def _skipped(path: str) -> bool:
-    return any(path == s or path.startswith(s + ".") for s in OPEN_SECTIONS + OWN_SECTIONS) or ".env_vars." in path
+    return (
+        any(path == s or path.startswith(s + ".") for s in OPEN_SECTIONS + OWN_SECTIONS)
+        or ".env_vars." in path
+    )
 
 
 def unknown_keys(config: dict[str, Any]) -> list[UnknownKey]:
@@ -62,7 +74,11 @@ def unknown_keys(config: dict[str, Any]) -> list[UnknownKey]:
             if path not in keys:
                 siblings = [p.rsplit(".", 1)[-1] for p in keys if p.rpartition(".")[0] == prefix]
                 close = difflib.get_close_matches(str(k), siblings, n=1, cutoff=0.6)
-                found.append(UnknownKey(path, f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else None)))
+                found.append(
+                    UnknownKey(
+                        path, f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else None)
+                    )
+                )
                 continue
             walk(v, path)
 
