@@ -183,6 +183,7 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
     for name in dict.fromkeys(s.study for s in todo):
         ensure_store(root, mode, name)
 
+    started = time.time()
     launcher = Launcher()
     previous = {sig: signal.signal(sig, lambda *_: launcher.stop_all()) for sig in (signal.SIGINT, signal.SIGTERM)}
     bar = tqdm(total=len(specs), initial=counts["skipped"], desc=f"{'+'.join(studies)} ({mode})", unit="run",
@@ -244,7 +245,8 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     print(f"{counts['done']} runs completed, {counts['skipped']} already done, {counts['failed']} failed, "
-          f"{counts['stopped']} stopped" + (f"; failed: {', '.join(failures)}" if failures else ""), file=sys.stderr)
+          f"{counts['stopped']} stopped in {(time.time() - started) / 60:.1f} min"
+          + (f"; failed: {', '.join(failures)}" if failures else ""), file=sys.stderr)
     return counts
 
 
