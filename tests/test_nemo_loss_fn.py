@@ -171,3 +171,49 @@ def test_invalid_combinations_name_the_keys():
         BAPOLossFn(_loss_cfg(bapo={"ratio_reference": "current"}))
     with pytest.raises(ValueError, match="loss_fn.bapo.rho0"):
         BAPOLossFn(_loss_cfg(bapo={"rho0": 1.5}))
+
+
+def test_step_granularity_bounds_travel_in_the_batch():
+    """granularity: step -> the loss uses the bounds the driver attached to the batch, not a new search,
+    and its loss equals ClippedPGLossFn at those bounds."""
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossFn
+
+    from bapo_nemo.nemo.loss import BAPOLossFn
+    from bapo_nemo.nemo.step_bounds import attach_bounds, search_result
+
+    data, curr, seqs, toks = _batch(4)
+    attach_bounds(
+        data, search_result(c_low=0.7, c_high=2.05, rho=0.4, rho_initial=0.1, target_met=True, steps=18)
+    )
+    fn = BAPOLossFn(_loss_cfg(bapo={"granularity": "step", "ratio_reference": "proximal"}))
+    loss, grad, metrics = _run(fn, curr, data, seqs, toks)
+    assert metrics["bapo/c_low"] == pytest.approx(0.7) and metrics["bapo/c_high"] == pytest.approx(2.05)
+    ref = _run(ClippedPGLossFn(_loss_cfg(ratio_clip_min=0.3, ratio_clip_max=1.05)), curr, data, seqs, toks)
+    torch.testing.assert_close(loss, ref[0], rtol=0, atol=1e-15)
+    torch.testing.assert_close(grad, ref[1], rtol=0, atol=1e-15)
+
+
+def test_driver_builds_the_loss_from_master_config_sections():
+    """The driver's make_loss_fn / install_step_bounds on a MasterConfig-shaped object (sections as v0.7.0
+    gives them: policy a dict, loss_fn a ClippedPGLossConfig); the policy is a stand-in for NeMo-RL's
+    Ray-backed Policy, which needs GPUs."""
+    from types import SimpleNamespace
+
+    from bapo_nemo.nemo.driver import install_step_bounds, make_loss_fn
+    from bapo_nemo.nemo.step_bounds import StepBoundsTrainer
+
+    policy_cfg = {
+        "dtensor_cfg": {"enabled": True, "tensor_parallel_size": 2, "context_parallel_size": 2},
+        "train_global_batch_size": 64,
+    }
+    mc = SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={"granularity": "step"}))
+    fn = make_loss_fn(mc)
+    assert (fn.dtensor_tp, fn.dtensor_cp) == (2, 2)
+    policy = SimpleNamespace(train=lambda *a, **k: None)
+    install_step_bounds(policy, fn, mc)
+    assert isinstance(policy.train, StepBoundsTrainer) and policy.train.global_batch_size == 64
+    micro = SimpleNamespace(train=lambda *a, **k: None)
+    install_step_bounds(
+        micro, make_loss_fn(SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={}))), mc
+    )
+    assert not isinstance(micro.train, StepBoundsTrainer)
