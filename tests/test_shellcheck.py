@@ -74,5 +74,6 @@ def test_shellcheck(script):
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -49,7 +49,9 @@ def run_install(tmp_path: Path, strict: bool, with_actor: bool = True) -> subpro
     (shadow / "rich").mkdir(parents=True)
     (shadow / "rich" / "__init__.py").write_text("raise ImportError('rich hidden by the test')\n")
     if with_actor:
-        _actor_venv(actors, "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker", shadow)
+        _actor_venv(
+            actors, "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker", shadow
+        )
     env = {
         **os.environ,
         "BAPO_NEMO_HOME": str(REPO),
@@ -60,7 +62,9 @@ def run_install(tmp_path: Path, strict: bool, with_actor: bool = True) -> subpro
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     env.pop("PYTHONPATH", None)
-    return subprocess.run(["bash", str(INSTALL)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(INSTALL)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +88,14 @@ def test_install_checks_every_venv_and_keeps_torch(tmp_path, nemo_rl_absent):
     # no nemo_rl here: reported with the reason, not fatal
     assert out.count("cannot import bapo_nemo.nemo.loss") == 2
     assert "No module named 'nemo_rl'" in out
-    cli = subprocess.run([str(tmp_path / "bin" / "bapo-nemo"), "--help"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    cli = subprocess.run(
+        [str(tmp_path / "bin" / "bapo-nemo"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=False,
+    )
     assert cli.returncode == 0 and "train" in cli.stdout
 
 
@@ -119,12 +129,19 @@ def fake_tools(tmp_path):
     _executable(bin_dir / "docker", FAKE_DOCKER)
     log = tmp_path / "calls.log"
     log.touch()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_ENROOT_FAIL": "0"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "FAKE_ENROOT_FAIL": "0",
+    }
     return env, log, bin_dir
 
 
 def squashfs(env, *args):
-    return subprocess.run(["bash", str(MAKE_SQUASHFS), *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(MAKE_SQUASHFS), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_imports_a_local_image_from_the_docker_daemon(fake_tools, tmp_path):
@@ -162,7 +179,9 @@ def test_an_existing_image_is_kept_unless_forced_and_restored_if_the_import_fail
     assert refused.returncode == 1 and "exists; pass --force" in refused.stderr
     assert "enroot import" not in log.read_text()
 
-    failed = squashfs({**env, "FAKE_ENROOT_FAIL": "1"}, "--force", "--tag", "bapo-nemo:present", "--output", str(out))
+    failed = squashfs(
+        {**env, "FAKE_ENROOT_FAIL": "1"}, "--force", "--tag", "bapo-nemo:present", "--output", str(out)
+    )
     assert failed.returncode != 0
     assert out.read_text() == "the image that works" and not (tmp_path / "img.sqsh.previous").exists()
 

@@ -84,14 +84,19 @@ class LocalSlurm:
         self.procs.append(
             subprocess.Popen(
                 [
-                    self.bins["munged"], "--foreground", "--force",
-                    f"--socket={socket_path}", f"--key-file={key}",
-                    f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
+                    self.bins["munged"],
+                    "--foreground",
+                    "--force",
+                    f"--socket={socket_path}",
+                    f"--key-file={key}",
+                    f"--pid-file={munge_dir / 'munged.pid'}",
+                    f"--log-file={munge_dir / 'munged.log'}",
                     f"--seed-file={munge_dir / 'munged.seed'}",
                 ],
                 user=munge_user.pw_uid if munge_user else None,
                 group=munge_user.pw_gid if munge_user else None,
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
             )
         )
         self._wait_for(lambda: socket_path.exists(), timeout, "munged socket", munge_dir / "munged.log")
@@ -99,7 +104,9 @@ class LocalSlurm:
         if is_root:
             munge_dir.chmod(0o755)
 
-        probe = subprocess.run([self.bins["slurmd"], "-C"], capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            [self.bins["slurmd"], "-C"], capture_output=True, text=True, timeout=30, check=False
+        )
         cpus = re.search(r"CPUs=(\d+)", probe.stdout)
         memory = re.search(r"RealMemory=(\d+)", probe.stdout)
         if not (cpus and memory):
@@ -145,8 +152,10 @@ class LocalSlurm:
                     "MinJobAge=600",
                     # Schedule pending jobs within seconds, not the default minute.
                     "SchedulerParameters=sched_interval=2,bf_interval=2",
-                    f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus.group(1)} "
-                    f"RealMemory={memory.group(1)} State=UNKNOWN",
+                    (
+                        f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus.group(1)} "
+                        f"RealMemory={memory.group(1)} State=UNKNOWN"
+                    ),
                     "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
@@ -156,16 +165,22 @@ class LocalSlurm:
         self.procs.append(
             subprocess.Popen(
                 [self.bins["slurmctld"], "-D", "-c", "-f", str(self.conf)],
-                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
             )
         )
         self.procs.append(
             subprocess.Popen(
                 [self.bins["slurmd"], "-D", "-N", "localhost", "-f", str(self.conf)],
-                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
             )
         )
-        self._wait_for(self._node_ready, timeout, "node 'localhost' idle", self.root / "log" / "slurmctld.log")
+        self._wait_for(
+            self._node_ready, timeout, "node 'localhost' idle", self.root / "log" / "slurmctld.log"
+        )
 
     def _node_ready(self) -> bool:
         for proc in self.procs:
@@ -224,12 +239,16 @@ def slurm():
     bins = _which_all("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
     missing = [name for name, path in bins.items() if path is None]
     if missing:
-        pytest.skip(f"Slurm/munge not installed ({', '.join(missing)} missing): run `bash .ci/system_deps.sh`")
+        pytest.skip(
+            f"Slurm/munge not installed ({', '.join(missing)} missing): run `bash .ci/system_deps.sh`"
+        )
     if os.getuid() == 0:
         try:
             pwd.getpwnam("munge")
         except KeyError:
-            pytest.skip("running as root but there is no `munge` user to run munged as (install Debian's munge)")
+            pytest.skip(
+                "running as root but there is no `munge` user to run munged as (install Debian's munge)"
+            )
     cluster = LocalSlurm(Path(tempfile.mkdtemp(prefix="bapo-slurm-")), bins)
     try:
         cluster.start()
@@ -271,9 +290,16 @@ class Submission:
         return int(latest.read_text().strip().removeprefix("step_"))
 
 
-def submit(slurm: LocalSlurm, tmp_path: Path, max_steps: int, wait: bool = False,
-           env: dict[str, str] | None = None, sbatch_args: tuple[str, ...] = (),
-           script: Path = SBATCH_SCRIPT, job_name: str = "bapo-test") -> Submission:
+def submit(
+    slurm: LocalSlurm,
+    tmp_path: Path,
+    max_steps: int,
+    wait: bool = False,
+    env: dict[str, str] | None = None,
+    sbatch_args: tuple[str, ...] = (),
+    script: Path = SBATCH_SCRIPT,
+    job_name: str = "bapo-test",
+) -> Submission:
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     job_env = {
         "BAPO_BARE_METAL": "1",
@@ -288,12 +314,27 @@ def submit(slurm: LocalSlurm, tmp_path: Path, max_steps: int, wait: bool = False
         **(env or {}),
     }
     # --time 15 min with the pre-limit signal 30 s before it: only the test sends USR1.
-    cmd = ["sbatch", "--parsable", "--nodes=1", "--time=15", "--signal=B:USR1@30", f"--job-name={job_name}",
-           f"--output={tmp_path}/%x-%j.out", *sbatch_args]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--time=15",
+        "--signal=B:USR1@30",
+        f"--job-name={job_name}",
+        f"--output={tmp_path}/%x-%j.out",
+        *sbatch_args,
+    ]
     if wait:
         cmd.append("--wait")
-    out = subprocess.run([*cmd, str(script)], env={**slurm.env, **job_env}, cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [*cmd, str(script)],
+        env={**slurm.env, **job_env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.stdout.strip(), f"sbatch gave no job id: {out.stderr}"
     job_id = out.stdout.strip().split(";")[0]
     sub = Submission(job_id, run_dir, log_dir, tmp_path / f"{job_name}-{job_id}.out", job_name)
@@ -322,9 +363,15 @@ def wait_until(predicate, timeout: float, what: str, sub: Submission | None = No
 
 def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
     """Slurm holds a requeued job for ~2 minutes (BeginTime); start it now to keep the test short."""
-    wait_until(lambda: slurm.job(sub.job_id).get("Restarts") == str(restarts)
-               and slurm.job(sub.job_id).get("JobState") == "PENDING",
-               120, f"job {sub.job_id} requeued (Restarts={restarts})", sub)
+    wait_until(
+        lambda: (
+            slurm.job(sub.job_id).get("Restarts") == str(restarts)
+            and slurm.job(sub.job_id).get("JobState") == "PENDING"
+        ),
+        120,
+        f"job {sub.job_id} requeued (Restarts={restarts})",
+        sub,
+    )
     slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"])
 
 
@@ -332,7 +379,7 @@ def driver_summary(sub: Submission, attempt: int) -> dict:
     """The JSON summary `bapo-nemo train` prints last, from one attempt's driver log."""
     text = (sub.attempt_dir(attempt) / "driver.log").read_text()
     start = text.rindex("{\n")
-    return json.loads(text[start:text.index("\n}", start) + 2])
+    return json.loads(text[start : text.index("\n}", start) + 2])
 
 
 def mlflow_runs(run_dir: Path):
@@ -349,8 +396,11 @@ def rl_steps_logged(client, run_id: str) -> list[int]:
 
 
 def all_logs_text(tmp_path: Path) -> str:
-    return "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()
-                     and p.suffix in {".out", ".log", ".txt", ".sh"})
+    return "\n".join(
+        p.read_text(errors="replace")
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p.suffix in {".out", ".log", ".txt", ".sh"}
+    )
 
 
 def test_bare_metal_job_trains_checkpoints_and_logs_to_mlflow(slurm, tmp_path):
@@ -454,9 +504,16 @@ def test_bad_inputs_fail_with_a_clear_error(slurm, tmp_path):
     """Each job fails in seconds with a message naming the input and the fix (no training starts)."""
     seven_b = REPO / "slurm" / "bapo_7b.sbatch"
     cases = {
-        "config": (SBATCH_SCRIPT, {"CONFIG": "configs/does_not_exist.yaml"},
-                   f"training config (CONFIG) not found: {REPO}/configs/does_not_exist.yaml"),
-        "python": (SBATCH_SCRIPT, {"PYTHON": "/nonexistent/python3"}, "PYTHON=/nonexistent/python3 not found"),
+        "config": (
+            SBATCH_SCRIPT,
+            {"CONFIG": "configs/does_not_exist.yaml"},
+            f"training config (CONFIG) not found: {REPO}/configs/does_not_exist.yaml",
+        ),
+        "python": (
+            SBATCH_SCRIPT,
+            {"PYTHON": "/nonexistent/python3"},
+            "PYTHON=/nonexistent/python3 not found",
+        ),
         "container": (SBATCH_SCRIPT, {"BAPO_BARE_METAL": "0"}, "no pyxis plugin"),
         "repo": (SBATCH_SCRIPT, {"BAPO_REPO": str(tmp_path)}, f"{tmp_path}/slurm/lib/common.sh not found"),
         # The 7B variant runs the same script (exec) with its preset: same checks, its own job name.
@@ -465,7 +522,9 @@ def test_bad_inputs_fail_with_a_clear_error(slurm, tmp_path):
     subs = {}
     for name, (script, env, _) in cases.items():
         (tmp_path / name).mkdir()
-        subs[name] = submit(slurm, tmp_path / name, max_steps=1, env=env, script=script, job_name=f"bad-{name}")
+        subs[name] = submit(
+            slurm, tmp_path / name, max_steps=1, env=env, script=script, job_name=f"bad-{name}"
+        )
     for name, (_, _, message) in cases.items():
         sub = subs[name]
         info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)

@@ -24,6 +24,7 @@ def bash(snippet: str, env: dict[str, str] | None = None) -> str:
         text=True,
         env=env if env is not None else {"PATH": os.environ["PATH"]},
         timeout=30,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -146,7 +147,7 @@ def test_run_driver_with_signal_none_lets_the_driver_finish_and_keeps_its_exit_c
 
 def test_run_driver_rejects_a_malformed_command_line():
     result = subprocess.run(
-        ["bash", str(RUN_DRIVER), "stop", "USR1", "python"], capture_output=True, text=True
+        ["bash", str(RUN_DRIVER), "stop", "USR1", "python"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 2 and "usage: run_driver.sh" in result.stderr
 
@@ -156,7 +157,12 @@ def test_sbatch_script_refuses_to_run_outside_slurm(script):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["BAPO_REPO"] = str(REPO)
     result = subprocess.run(
-        ["bash", str(REPO / "slurm" / script)], capture_output=True, text=True, env=env, timeout=30
+        ["bash", str(REPO / "slurm" / script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 1
     assert "not inside a Slurm job" in result.stderr
