@@ -144,7 +144,7 @@ class OptimConfig(_Section):
 class TrainConfig(_Section):
     max_steps: int = Field(60, ge=0, description="RL steps (rollout batches).")
     updates_per_batch: int = Field(2, ge=1, description="Optimizer updates per rollout batch (staleness).")
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward.")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (length-sorted).")
 
 
 class EvalConfig(_Section):

@@ -71,15 +71,23 @@ def build_batch(groups: list[RolloutGroup], rewards: list[list[float]], pad_toke
     return TokenBatch(ids, attention, mask, behavior, weights, versions, adv, reward_t, group_index)
 
 
+def length_sorted_micro_batches(batch: TokenBatch, micro_batch_size: int) -> list[list[int]]:
+    """Row indices in micro-batches of similar length: with heavy-tailed lengths, padding every
+    micro-batch to the batch's longest sequence would multiply the compute (each micro-batch is
+    trimmed to its own longest row)."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lambda i: -lengths[i])
+    return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+
+
 @torch.no_grad()
 def forward_logprobs(model, batch: TokenBatch, micro_batch_size: int) -> torch.Tensor:
     """Current-policy log-probs of the batch's tokens, without gradient, [N, S-1]."""
     out = torch.zeros_like(batch.behavior_logprobs)
-    for start in range(0, len(batch), micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, len(batch))))
+    for rows in length_sorted_micro_batches(batch, micro_batch_size):
         micro = batch.select(rows)
         lp, _ = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask, with_entropy=False)
-        out[start : start + len(rows), : lp.shape[1]] = lp
+        out[torch.tensor(rows), : lp.shape[1]] = lp
     return out
 
 
@@ -111,8 +119,7 @@ def policy_update(
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     entropy_sum = 0.0
-    for start in range(0, len(batch), micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, len(batch))))
+    for rows in length_sorted_micro_batches(batch, micro_batch_size):
         micro = batch.select(rows)
         width = micro.mask.shape[1]
         lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)

@@ -1,0 +1,136 @@
+"""Generated tokens/s with and without partial rollouts, side by side in one run, on CPU.
+
+Same tiny Qwen2, same prompts, same number of prompt groups per training step. Response lengths follow
+the bundled task's heavy-tailed mix: each response stops (as at EOS) after the length of its task's
+reference solution, so both modes generate exactly the same length distribution whatever the weights.
+
+  without: every step generates its groups to completion; the step waits for its longest response
+           (finished rows leave the batch, so the tail runs at a tiny batch size).
+  with:    each iteration grows every in-flight response by at most `token_budget` tokens; unfinished
+           ones carry over and run alongside new prompts, so the batch stays full.
+
+    python bench/partial_rollout.py [--steps 12] [--token-budget 16]
+Writes bench/results/partial_rollout.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bapo_nemo.embedded.evaluation import encode_prompt
+from bapo_nemo.embedded.generation import sample_continuations
+from bapo_nemo.embedded.model import build_model
+from bapo_nemo.embedded.tasks import TaskGenerator
+from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_mode(name, model, tokenizer, args, budget, in_flight):
+    """Generated tokens and wall time over `args.steps` training steps (after `args.warmup_steps` steps
+    that fill the pipeline and are not timed)."""
+    config = PartialRolloutConfig(token_budget=budget, max_resumptions=64, max_response_tokens=args.max_len,
+                                  max_in_flight_groups=in_flight)
+    manager = PartialRolloutManager(config, args.group_size)
+    tasks = TaskGenerator(args.seed, 1, args.max_ops, args.tail_alpha)
+    generator = torch.Generator().manual_seed(args.seed)
+    eos = tokenizer.eos_token_id
+    question_end = tokenizer.convert_tokens_to_ids("?")
+    target_of: dict[tuple[int, ...], int] = {}  # prompt -> response length of its reference solution
+
+    def generate_fn(contexts, max_new_tokens):
+        # A prompt ends at its first '?': what follows is the response so far. Stop at the target length.
+        prompt_lens = [c.index(question_end) + 1 for c in contexts]
+        targets = [target_of[tuple(c[:p])] for c, p in zip(contexts, prompt_lens)]
+        done = [len(c) - p for c, p in zip(contexts, prompt_lens)]
+        limits = [max(0, min(max_new_tokens, t - d)) for t, d in zip(targets, done)]
+        outs = sample_continuations(model, contexts, limits, eos, tokenizer.pad_token_id, generator)
+        chunks = []
+        for o, t, d in zip(outs, targets, done):
+            # An early EOS of the untrained model is replaced, so lengths follow the task mix exactly.
+            ids = [i if i != eos else tokenizer.convert_tokens_to_ids(";") for i in o.token_ids]
+            chunks.append(GenerationChunk(ids, o.logprobs, d + len(ids) >= t))
+        return chunks
+
+    tokens, elapsed, per_step = 0, 0.0, []
+    for step in range(args.warmup_steps + args.steps):
+        t0, step_tokens, groups = time.perf_counter(), 0, []
+        while len(groups) < args.prompts_per_step:
+            queued = manager.num_pending + manager.num_in_flight + manager.num_completed
+            items = []
+            for task in tasks.sample(max(0, in_flight - queued)):
+                ids = encode_prompt(tokenizer, task.question)
+                target_of[tuple(ids)] = min(len(task.solution) + 1, args.max_len)
+                items.append(PromptItem(task.prompt_id, ids, {}))
+            manager.add_prompts(items)
+            groups += manager.run_iteration(generate_fn, step, args.prompts_per_step - len(groups))
+            step_tokens += manager.stats(step)["rollout/tokens_last_iteration"]
+        dt = time.perf_counter() - t0
+        if step >= args.warmup_steps:
+            tokens += step_tokens
+            elapsed += dt
+            per_step.append(step_tokens / dt)
+        print(f"  {name:>8} step {step:2d}: {step_tokens:6.0f} tokens in {dt:5.2f}s")
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "per_step_tokens_per_s": per_step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--token-budget", type=int, default=16)
+    parser.add_argument("--max-ops", type=int, default=12)
+    parser.add_argument("--tail-alpha", type=float, default=1.5)
+    parser.add_argument("--max-len", type=int, default=112)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    model_cfg = SimpleNamespace(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                                max_position_embeddings=256, rope_theta=10000.0)
+    model = build_model(model_cfg, tokenizer, seed=0).eval()
+
+    print("without partial rollouts (each step generates its groups to completion):")
+    without = run_mode("without", model, tokenizer, args, budget=args.max_len, in_flight=args.prompts_per_step)
+    print(f"with partial rollouts (token_budget={args.token_budget}, {2 * args.prompts_per_step} groups in flight):")
+    with_ = run_mode("with", model, tokenizer, args, budget=args.token_budget, in_flight=2 * args.prompts_per_step)
+    ratio = with_["tokens_per_s"] / without["tokens_per_s"]
+    print(f"\ngenerated tokens/s  without: {without['tokens_per_s']:.0f}  with: {with_['tokens_per_s']:.0f}  "
+          f"ratio with/without: {ratio:.2f}x")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"args": vars(args), "without": without, "with": with_, "ratio": ratio,
+              "torch_threads": torch.get_num_threads()}
+    (RESULTS / "partial_rollout.json").write_text(json.dumps(record, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(["without", f"with (budget {args.token_budget})"], [without["tokens_per_s"], with_["tokens_per_s"]],
+            color=["tab:gray", "tab:blue"])
+    ax1.set_ylabel("generated tokens / s")
+    ax1.set_title(f"partial rollouts: {ratio:.2f}x")
+    ax2.plot(without["per_step_tokens_per_s"], "o-", color="tab:gray", label="without")
+    ax2.plot(with_["per_step_tokens_per_s"], "o-", color="tab:blue", label="with")
+    ax2.set_xlabel("timed step")
+    ax2.set_ylabel("tokens / s")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "partial_rollout.png", dpi=120)
+    print(f"wrote {RESULTS / 'partial_rollout.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""End-to-end RL tokens/s of the embedded trainer vs TRL's GRPOTrainer, side by side in one run, on CPU.
+
+Same tiny Qwen2 (same config and initial weights), same tokenizer, same prompts (the bundled arithmetic
+tasks), same batch (prompts x group size), same maximum completion length, temperature 1, one optimizer
+update per rollout batch, no KL term. Both start from the untrained model, so response lengths come from
+the same sampling distribution. Throughput = generated completion tokens / time spent in RL steps
+(generation + loss + optimizer), first step of each excluded (start-up), evaluation and checkpoints
+excluded. Ours is measured twice: with partial rollouts (its default) and with them off.
+
+    pip install -e '.[bench]'   # trl
+    python bench/vs_trl.py [--steps 6]
+Writes bench/results/vs_trl.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bapo_nemo.embedded.config import load_config
+from bapo_nemo.embedded.model import build_model
+from bapo_nemo.embedded.tasks import TaskGenerator, extract_answer
+from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.trainer import train
+
+RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ours(args, partial: bool) -> dict:
+    overrides = [
+        "warmup.steps=0", f"train.max_steps={args.steps + 1}", "train.updates_per_batch=1",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
+        f"rollout.partial.max_response_tokens={args.max_len}",
+        f"rollout.partial.token_budget={args.token_budget if partial else args.max_len}",
+        f"rollout.partial.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
+        f"eval.every={10 * args.steps}", "eval.k=1", "task.eval_size=4", "runtime.progress=false",
+        f"checkpoint.every={10 * args.steps}", f"optim.lr={args.lr}", f"runtime.num_threads={args.threads}",
+    ]
+    cfg = load_config(REPO / "configs" / "local_cpu.yaml", overrides)
+    with tempfile.TemporaryDirectory() as out:
+        train(cfg, out)
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] >= 2]  # step 1 excluded (start-up)
+    tokens = sum(r["perf/generated_tokens"] for r in steps)
+    seconds = sum(r["perf/step_time_s"] for r in steps)
+    lengths = [r["train/response_length_mean"] for r in steps]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "mean_completion_length": sum(lengths) / len(lengths), "steps": len(steps)}
+
+
+def run_trl(args) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = load_tokenizer()
+    cfg = load_config(REPO / "configs" / "local_cpu.yaml")
+    model = build_model(cfg.model, tokenizer, seed=cfg.seed)
+    tasks = TaskGenerator(cfg.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
+        args.prompts * (args.steps + 1))
+    dataset = Dataset.from_list([{"prompt": tokenizer.bos_token + t.question, "answer": t.answer} for t in tasks])
+
+    def correct(completions, answer, **_):
+        return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self.logs, self._t = [], [], 0.0
+
+        def on_step_begin(self, *_, **__):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.times.append(time.perf_counter() - self._t)
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            self.logs.append(dict(logs or {}))
+
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, max_steps=args.steps + 1, learning_rate=args.lr, per_device_train_batch_size=args.prompts
+            * args.group_size, num_generations=args.group_size, steps_per_generation=1, num_iterations=1,
+            max_completion_length=args.max_len, temperature=1.0, beta=0.0, use_cpu=True, report_to=[],
+            logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=cfg.seed,
+            bf16=False, fp16=False,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[clock])
+        trainer.train()
+    step_logs = [log for log in clock.logs if "completions/mean_length" in log]
+    lengths = [log["completions/mean_length"] for log in step_logs][1:]
+    seconds = sum(clock.times[1:])
+    tokens = sum(length * args.prompts * args.group_size for length in lengths)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "mean_completion_length": sum(lengths) / len(lengths), "steps": len(lengths)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed RL steps per trainer (plus one untimed)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=64)
+    parser.add_argument("--token-budget", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print("TRL GRPOTrainer ...")
+    trl = run_trl(args)
+    torch.set_num_threads(args.threads)
+    print("embedded trainer, partial rollouts off ...")
+    ours_full = run_ours(args, partial=False)
+    print("embedded trainer, partial rollouts on ...")
+    ours = run_ours(args, partial=True)
+    rows = {"trl_grpo": trl, "ours_no_partial": ours_full, "ours_partial": ours}
+    for name, r in rows.items():
+        print(f"  {name:16s} {r['tokens_per_s']:8.0f} tokens/s  ({r['tokens']:.0f} tokens in {r['seconds']:.1f}s, "
+              f"mean completion {r['mean_completion_length']:.1f})")
+    ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
+    ratio_full = ours_full["tokens_per_s"] / trl["tokens_per_s"]
+    print(f"\nours / TRL: {ratio:.2f}x with partial rollouts, {ratio_full:.2f}x without")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"args": vars(args), **rows, "ratio_partial_vs_trl": ratio, "ratio_no_partial_vs_trl": ratio_full}
+    (RESULTS / "vs_trl.json").write_text(json.dumps(record, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = ["TRL GRPOTrainer", "ours (no partial)", "ours (partial)"]
+    ax.bar(names, [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"]],
+           color=["tab:gray", "tab:cyan", "tab:blue"])
+    ax.set_ylabel("generated tokens / s (RL steps)")
+    ax.set_title(f"end-to-end RL on CPU: ours {ratio:.2f}x TRL")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "vs_trl.png", dpi=120)
+    print(f"wrote {RESULTS / 'vs_trl.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
