@@ -227,3 +227,23 @@ def test_loader_overrides_and_override_marker(tmp_path):
     assert cfg == {"a": {"z": 9}, "b": {"n": 5}, "m": 10, "c": {"d": [1, 2]}}
     with pytest.raises(ConfigLoadError, match=r"use \+\+b.q=1"):
         load_nemo_config(child, ["b.q=1"])
+
+
+def test_partial_rollout_block_is_checked():
+    """`partial_rollouts:` goes through the partial-rollout hook's own checks (async loop is refused)."""
+    _, findings, _, _ = run_check(
+        _args(
+            CONFIGS / "bapo_32b.yaml",
+            8,
+            8,
+            "++partial_rollouts.token_budget=4096",
+            "grpo.async_grpo.enabled=true",
+        )
+    )
+    assert "AsyncTrajectoryCollector" in _errors(findings)["partial_rollouts"]
+    _, findings, _, _ = run_check(_args(CONFIGS / "bapo_32b.yaml", 8, 8, "++partial_rollouts.token_budget=0"))
+    assert "token_budget" in _errors(findings)["partial_rollouts"]
+    _, findings, _, _ = run_check(
+        _args(CONFIGS / "bapo_32b.yaml", 8, 8, "++partial_rollouts.token_budget=4096")
+    )
+    assert "partial_rollouts" not in _errors(findings)

@@ -228,6 +228,7 @@ def check_config(
     """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip)."""
     f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
     f += _bapo_block(config)
+    f += _partial_rollout_block(config)
     if plan is not None:
         f += _parallel_rules(config, plan, model)
         f += _batch_rules(config, plan)
@@ -250,6 +251,23 @@ def _bapo_block(config: dict) -> list[Finding]:
     except BAPOConfigError as exc:
         return [Finding("error", "loss_fn.bapo", line.strip()) for line in str(exc).splitlines()[1:]]
     return []
+
+
+def _partial_rollout_block(config: dict) -> list[Finding]:
+    """The rollout engineer's own validation of `partial_rollouts:` against the rest of the config."""
+    block = get(config, "partial_rollouts")
+    if block is None:
+        return []
+    from bapo_nemo.nemo.partial_rollout import check_partial_rollout_config
+    from bapo_nemo.rollout import PartialRolloutConfig
+    from bapo_nemo.rollout.config import PartialRolloutConfigError
+
+    block = {k: v for k, v in dict(block).items() if k != "prefill_batches"}  # a driver-side option
+    try:
+        partial = PartialRolloutConfig.parse(block)
+    except PartialRolloutConfigError as exc:
+        return [Finding("error", "partial_rollouts", str(exc))]
+    return [Finding("error", "partial_rollouts", p) for p in check_partial_rollout_config(config, partial)]
 
 
 def bapo_enabled(config: dict) -> bool:
