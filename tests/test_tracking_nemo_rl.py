@@ -121,6 +121,7 @@ def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
     assert run.data.metrics == {"train/reward": 0.5, "train/bapo/c_high": 1.35}
     assert [m.step for m in client.get_metric_history(run_id, "train/reward")] == [7]
     assert run.data.tags["bapo.runtime"] == "nemo_rl" and run.data.tags["bapo.enabled"] == "true"
+    assert "bapo.resumed_at" not in run.data.tags  # attaching to NeMo-RL's fresh run is not a resume
     assert run.data.params["bapo.rho0"] == "0.4"
     config_file = Path(client.download_artifacts(run_id, "config/resolved_config.yaml", str(tmp_path / "dl")))
     logged = yaml.safe_load(config_file.read_text())

@@ -50,7 +50,7 @@ def _newest_complete(checkpoints: Path) -> Path:
 
 
 def resolve_checkpoint(path: str | Path) -> CheckpointRef:
-    path = Path(path)
+    path = Path(path).resolve()
     if not path.exists():
         raise ExportError(f"{path} does not exist: pass a step_<N> checkpoint directory or a training output_dir")
     if (path / "policy" / "weights").exists():

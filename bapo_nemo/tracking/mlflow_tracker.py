@@ -144,8 +144,8 @@ class MlflowTracker:
             self._load_journal()
             self._log_resolved_config(params)
         else:
-            self._resume_run()
-            safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            if self._resume_run():
+                safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             flat_params = self._params_not_yet_logged(flat_params)
         if flat_params:
             self._journal({"kind": "params", "params": flat_params})
@@ -265,7 +265,9 @@ class MlflowTracker:
         staged.write_text(yaml.safe_dump(plain, sort_keys=False))
         self._journal({"kind": "artifact", "path": str(staged), "artifact_path": "config"})
 
-    def _resume_run(self) -> None:
+    def _resume_run(self) -> bool:
+        """Attach to the existing run; True when it already holds metrics (a continuation, not a fresh run
+        created by someone else such as NeMo-RL's logger). Unknown while the server is down: True."""
         try:
             run = self.client.get_run(self._run_id)
         except Exception as exc:
@@ -277,13 +279,14 @@ class MlflowTracker:
             log.warning("MLflow server %s unreachable while resuming run %s; journaling to %s (%s)",
                         self.tracking_uri, self._run_id, self.buffer_dir, exc)
             self._offline_until = time.monotonic() + self.retry_interval_s
-            return
+            return True
         self._existing_params = dict(run.data.params)
         if run.info.status != "RUNNING":
             try:
                 self.client.update_run(self._run_id, status="RUNNING")
             except Exception as exc:  # noqa: BLE001 - status is cosmetic; metrics matter
                 log.warning("could not mark run %s RUNNING: %s", self._run_id, exc)
+        return bool(run.data.metrics)
 
     def _params_not_yet_logged(self, params: dict[str, str]) -> dict[str, str]:
         """MLflow params are immutable: on resume log only new keys; record changed ones as a tag."""

@@ -154,6 +154,7 @@ def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
                         marker="o" if len(points) < 15 else None, markersize=3, label=f"{run.label}{suffix}")
                 drawn = True
         ax.set_title(panel.title)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
