@@ -99,3 +99,16 @@ def test_missing_tracking_uri_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert cli_main(["report", "--experiment", "x"]) == 2
     assert "pass --tracking-uri" in capsys.readouterr().err
+
+
+def test_missing_database_and_dead_server_are_clear_errors(tmp_path, capsys):
+    assert cli_main(["report", "--experiment", "x", "--tracking-uri", f"sqlite:///{tmp_path}/typo.db"]) == 2
+    assert f"no MLflow database at {tmp_path}/typo.db" in capsys.readouterr().err
+    assert not (tmp_path / "typo.db").exists()  # nothing created at the mistyped path
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli_main(["report", "--experiment", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == 2
+    assert f"cannot read the MLflow store at http://127.0.0.1:{port}" in capsys.readouterr().err

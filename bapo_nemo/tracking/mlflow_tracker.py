@@ -43,6 +43,7 @@ _PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", 
 _METRICS_PER_BATCH = 1000  # MLflow log_batch limits
 _PARAMS_PER_BATCH = 100
 _TAGS_PER_BATCH = 100
+_PROGRESS_MIN_RECORDS = 200
 
 
 class TrackingConfigError(ValueError):
@@ -374,6 +375,12 @@ class MlflowTracker:
         if not self._pending or time.monotonic() < self._offline_until:
             return
         sent_any = False
+        bar = None
+        if len(self._pending) >= _PROGRESS_MIN_RECORDS:  # a long outage: show the replay
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(self._pending), desc=f"replaying MLflow journal of run {self._run_id[:8]}",
+                       unit="record")
         while self._pending:
             record = self._pending[0]
             try:
@@ -390,6 +397,10 @@ class MlflowTracker:
             self._acknowledge(record["seq"])
             self._pending.pop(0)
             sent_any = True
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         if sent_any and not self._pending:
             self._compact()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,10 +229,22 @@ def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None
     from mlflow.tracking import MlflowClient
     from tqdm import tqdm
 
-    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri
+    from bapo_nemo.tracking.mlflow_tracker import HTTP_ENV_DEFAULTS, _is_remote, check_tracking_uri
 
-    client = MlflowClient(check_tracking_uri(tracking_uri))
-    experiment = find_experiment(client, experiment_name)
+    if _is_remote(check_tracking_uri(tracking_uri)):
+        for var, value in HTTP_ENV_DEFAULTS.items():  # fail in seconds, not minutes, when the server is down
+            os.environ.setdefault(var, value)
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        # MLflow would silently create an empty database at a mistyped path
+        raise ReportError(f"no MLflow database at {tracking_uri[len('sqlite:///'):]}: check --tracking-uri "
+                          "(the embedded trainer's is sqlite:///<output_dir>/mlflow.db)")
+    client = MlflowClient(tracking_uri)
+    try:
+        experiment = find_experiment(client, experiment_name)
+    except ReportError:
+        raise
+    except Exception as exc:  # any client failure here means the store is unusable
+        raise ReportError(f"cannot read the MLflow store at {tracking_uri}: {str(exc).splitlines()[0][:300]}") from exc
     selected = select_runs(client, experiment, runs)
     data = [load_run(client, r) for r in tqdm(selected, desc="reading runs", disable=not progress)]
     if not any(d.series for d in data):
