@@ -3,6 +3,7 @@ against a plain sqlite store without a server. Everything is read back through M
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -154,8 +155,6 @@ def test_params_metrics_tags_artifacts_through_server(server, tmp_path):
     assert _history(client, run_id, "bapo/c_high") == [(0, 1.2), (1, 1.25), (2, pytest.approx(1.3))]
     assert {a.path for a in client.list_artifacts(run_id)} >= {"config", "generations"}
     table = Path(client.download_artifacts(run_id, "generations/step_2.json", str(tmp_path / "dl")))
-    import json
-
     payload = json.loads(table.read_text())
     assert payload["columns"] == ["step", "prompt", "response", "reward"]
     assert payload["data"][1] == [2, "2+2=", "4", 1.0] and payload["data"][0][3] is None
@@ -244,6 +243,21 @@ def test_torn_last_journal_line_is_ignored(tmp_path, sqlite_uri):
     assert _history(MlflowClient(uri), run_id, "x") == [(5, 2.0)]
     tracker.log_metrics({"x": 3.0}, step=6)  # sequence continues after the torn record
     assert _history(MlflowClient(uri), run_id, "x") == [(5, 2.0), (6, 3.0)]
+
+
+def test_rejected_record_is_isolated_and_kept(tmp_path, sqlite_uri):
+    """A journal left by a dead process holds a record MLflow refuses for good (an invalid metric name)
+    between valid ones: the valid ones are logged, the bad one moves to <run_id>.rejected.jsonl."""
+    buf = tmp_path / "buf"
+    run_id = MlflowTracker(sqlite_uri, "reject", buffer_dir=buf).start({}, {})
+    lines = [{"seq": 100 + i, "kind": "metrics", "step": i, "timestamp": 1000 + i, "metrics": {key: float(i)}}
+             for i, key in enumerate(["loss", "bad!name", "loss"])]
+    (buf / f"{run_id}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tracker = MlflowTracker(sqlite_uri, "reject", run_id=run_id, buffer_dir=buf)
+    assert tracker.flush() == 0
+    assert _history(MlflowClient(sqlite_uri), run_id, "loss") == [(0, 0.0), (2, 2.0)]
+    (rejected,) = [json.loads(x) for x in (buf / f"{run_id}.rejected.jsonl").read_text().splitlines()]
+    assert rejected["seq"] == 101 and rejected["metrics"] == {"bad!name": 1.0} and "bad!name" in rejected["error"]
 
 
 def test_sqlite_artifacts_land_next_to_the_database(tmp_path, monkeypatch, template_db):

@@ -123,6 +123,7 @@ class MlflowTracker:
         self._next_seq = 1
         self._offline_until = 0.0
         self._finished = False
+        self._single_records = 0  # > 0: send records one by one (isolating a rejected one)
         self._existing_params: dict[str, str] | None = None
         if run_id is not None:
             self._load_journal()
@@ -382,27 +383,52 @@ class MlflowTracker:
             bar = tqdm(total=len(self._pending), desc=f"replaying MLflow journal of run {self._run_id[:8]}",
                        unit="record")
         while self._pending:
-            record = self._pending[0]
+            group = self._next_group()
             try:
-                self._send(record)
+                self._send_group(group)
             except Exception as exc:  # noqa: BLE001 - any failure must leave training running
-                if _error_code(exc) in _PERMANENT_ERRORS:
-                    self._reject(record, exc)
-                else:
+                if _error_code(exc) not in _PERMANENT_ERRORS:
                     self._offline_until = time.monotonic() + self.retry_interval_s
                     log.warning("MLflow server %s unreachable (%s); %d records journaled in %s, retrying in %.0f s",
                                 self.tracking_uri, str(exc).splitlines()[0][:300], len(self._pending),
                                 self._journal_path(), self.retry_interval_s)
                     break
-            self._acknowledge(record["seq"])
-            self._pending.pop(0)
+                if len(group) > 1:  # find the bad record: resend this group one record at a time
+                    self._single_records = len(group)
+                    continue
+                self._reject(group[0], exc)
+            self._acknowledge(group[-1]["seq"])
+            del self._pending[: len(group)]
+            self._single_records = max(0, self._single_records - len(group))
             sent_any = True
             if bar is not None:
-                bar.update(1)
+                bar.update(len(group))
         if bar is not None:
             bar.close()
         if sent_any and not self._pending:
             self._compact()
+
+    def _next_group(self) -> list[dict[str, Any]]:
+        """Consecutive metric records that fit one log_batch call (a long replay takes few requests)."""
+        first = self._pending[0]
+        if first["kind"] != "metrics" or self._single_records:
+            return [first]
+        group, count = [first], len(first["metrics"])
+        for record in self._pending[1:]:
+            if record["kind"] != "metrics" or count + len(record["metrics"]) > _METRICS_PER_BATCH:
+                break
+            group.append(record)
+            count += len(record["metrics"])
+        return group
+
+    def _send_group(self, group: list[dict[str, Any]]) -> None:
+        if len(group) == 1:
+            self._send(group[0])
+            return
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, r["timestamp"], r["step"]) for r in group for k, v in r["metrics"].items()]
+        self.client.log_batch(self._run_id, metrics=metrics, synchronous=True)
 
     def _send(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric, Param, RunTag
