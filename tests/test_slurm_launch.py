@@ -254,6 +254,7 @@ def slurm():
         cluster.start()
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)
         pytest.skip(f"could not start Slurm on localhost: {exc}")
     yield cluster
     cluster.stop()
@@ -403,6 +404,7 @@ def all_logs_text(tmp_path: Path) -> str:
     )
 
 
+@pytest.mark.slow
 def test_bare_metal_job_trains_checkpoints_and_logs_to_mlflow(slurm, tmp_path):
     sub = submit(slurm, tmp_path, max_steps=4, wait=True)
 
@@ -431,6 +433,7 @@ def test_bare_metal_job_trains_checkpoints_and_logs_to_mlflow(slurm, tmp_path):
     assert "training finished" in sub.out_file.read_text()
 
 
+@pytest.mark.slow
 def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, tmp_path):
     """Attempt 0 gets the pre-time-limit signal (`scancel --signal=USR1 --batch` is what
     `#SBATCH --signal=B:USR1@900` sends): the trainer checkpoints, the script requeues the job itself.
