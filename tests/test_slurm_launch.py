@@ -383,10 +383,10 @@ def driver_summary(sub: Submission, attempt: int) -> dict:
     return json.loads(text[start : text.index("\n}", start) + 2])
 
 
-def mlflow_runs(run_dir: Path):
+def mlflow_runs(run_dir: Path, tracking_uri: str | None = None):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=tracking_uri or f"sqlite:///{run_dir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("bapo-embedded")
     assert experiment is not None, "no MLflow experiment 'bapo-embedded' in the run's sqlite store"
     return client, client.search_runs([experiment.experiment_id])
@@ -406,7 +406,10 @@ def all_logs_text(tmp_path: Path) -> str:
 
 @pytest.mark.slow
 def test_bare_metal_job_trains_checkpoints_and_logs_to_mlflow(slurm, tmp_path):
-    sub = submit(slurm, tmp_path, max_steps=4, wait=True)
+    # MLFLOW_TRACKING_URI reaches the trainer (a sqlite store outside the run dir stands for a server).
+    tracking_uri = f"sqlite:///{tmp_path / 'central' / 'mlflow.db'}"
+    (tmp_path / "central").mkdir()
+    sub = submit(slurm, tmp_path, max_steps=4, wait=True, env={"MLFLOW_TRACKING_URI": tracking_uri})
 
     info = slurm.job(sub.job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", info
@@ -419,7 +422,9 @@ def test_bare_metal_job_trains_checkpoints_and_logs_to_mlflow(slurm, tmp_path):
     assert (sub.run_dir / "hf_final" / "COMPLETE").is_file()
 
     # The MLflow run the checkpoint names holds RL steps 1..4, once each, and is finished.
-    client, runs = mlflow_runs(sub.run_dir)
+    assert not (sub.run_dir / "mlflow.db").exists()
+    assert training_info["mlflow_tracking_uri"] == tracking_uri
+    client, runs = mlflow_runs(sub.run_dir, tracking_uri)
     assert [r.info.run_id for r in runs] == [training_info["mlflow_run_id"]]
     assert runs[0].info.status == "FINISHED"
     assert rl_steps_logged(client, runs[0].info.run_id) == [1, 2, 3, 4]
