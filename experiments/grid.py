@@ -164,11 +164,13 @@ def _partial() -> Study:
         Cell({"budget": b, "method": m},
              {"train.updates_per_batch": 2, **({"rollout.partial.token_budget": t} if t else {}), **METHODS[m]},
              same_as=("staleness", f"updates=2/method={m}") if t is None else None)
-        for b, t in budgets.items() for m in ("fixed", "bapo")
-    )
+        for b, t in budgets.items() for m in ("bapo",)
+    ) + (Cell({"budget": "32", "method": "fixed"}, {"train.updates_per_batch": 2, **FIXED_CLIP},
+              same_as=("staleness", "updates=2/method=fixed")),)  # free: a fixed-clip reference point
     return Study(
         "partial",
-        "Partial-rollout token budget per iteration (16 / 32 / off) x {fixed clip, BAPO}, 2 updates per batch.",
+        "BAPO with partial-rollout token budgets per iteration of 16 / 32 / off, 2 updates per batch (and "
+        "fixed clip at budget 32 for reference).",
         cells, row_axis=None,
         quick_keep=({"budget": "16", "method": "bapo"}, {"budget": "off", "method": "bapo"}),
     )

@@ -49,10 +49,10 @@ def test_staleness_grid_full_and_quick():
 
 def test_partial_and_ablation_grids():
     partial = expand("partial", "full")
-    assert len(partial) == 3 * 2 * 3 == 18  # budgets 16/32/off x {fixed, bapo} x 3 seeds
+    assert len(partial) == (3 + 1) * 3 == 12  # BAPO at budgets 16/32/off, fixed clip at 32; 3 seeds
     base = load_config(BASE_CONFIG)
     budgets = {r.display_cell.labels["budget"]: load_config(BASE_CONFIG, r.override_list()).rollout.partial.token_budget
-               for r in partial}
+               for r in partial if r.display_cell.labels["method"] == "bapo"}
     off = base.rollout.partial.max_response_tokens
     assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
     # budget 32 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
@@ -97,9 +97,9 @@ def test_partial_and_ablation_grids():
 
 def test_run_names_and_fingerprints_are_unique():
     runs = {(r.study, r.run_name): r for name in STUDIES for r in expand(name, "full")}
-    # 36 staleness + 4 partial cells x 3 seeds + value, reference, authors' recipe, 2 granularity arms,
+    # 36 staleness + BAPO at budgets 16 and off x 3 seeds + value, reference, authors' recipe, 2 granularity arms,
     # rho0 0.3 and 0.5 x 3 seeds; the reused cells add nothing
-    assert len(runs) == 36 + 12 + 7 * 3 == 69
+    assert len(runs) == 36 + 2 * 3 + 7 * 3 == 63
     within = Counter((r.study, r.fingerprint) for r in runs.values())
     assert max(within.values()) == 1  # every run computes something different
     runs = list(runs.values())
