@@ -1,9 +1,11 @@
 """The data-parallel reduction BAPOLossFn uses, with real torch.distributed (gloo) processes.
 
-4 processes laid out as NeMo-RL's DTensor workers ([DP, CP, TP], TP fastest) with TP = 2, DP = 2:
+4 processes with TP = 2, DP = 2, TP fastest (NeMo-RL's DTensor layout and Megatron's default order):
 ranks {0, 1} are one model replica (TP peers holding the same micro-batch), {2, 3} the other. The
 bounds every rank computes must equal a single-process search over the two replicas' tokens, each
-token counted once (a WORLD reduction would count every token twice, and with PP it would deadlock)."""
+token counted once (a WORLD reduction would count every token twice, and with PP it would deadlock).
+Two group sources: the DTensor layout rebuilt by `groups.py`, and Megatron's `parallel_state` (when
+megatron-core is installed: the real `initialize_model_parallel` on gloo; it needs no GPU for groups)."""
 
 from __future__ import annotations
 
@@ -34,22 +36,40 @@ def _replica_data(replica: int):
     return ratio, adv, mask
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         tp = 2
-        replica = rank // tp  # NeMo-RL layout: TP fastest
+        replica = rank // tp  # TP fastest
         ratio, adv, mask = _replica_data(replica)
-        reduce = data_parallel_all_reduce(dtensor_tp=tp, dtensor_cp=1)
+        if backend == "megatron":
+            from megatron.core import parallel_state
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            # the DTensor arguments are ignored once Megatron's parallel state exists
+            reduce = data_parallel_all_reduce(dtensor_tp=1, dtensor_cp=1)
+        else:
+            reduce = data_parallel_all_reduce(dtensor_tp=tp, dtensor_cp=1)
         result = search_clip_bounds(ratio, adv, mask, BAPOConfig(), all_reduce=reduce)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_four_gloo_ranks_reduce_over_data_parallel_only(tmp_path):
+@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
+def test_four_gloo_ranks_reduce_over_data_parallel_only(tmp_path, backend):
+    if backend == "megatron":
+        pytest.importorskip(
+            "megatron.core", reason="megatron-core not installed (it is in the NeMo-RL container)"
+        )
     world = 4
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    # fork: the children inherit the imported torch (CPU only, no CUDA state), 4 x faster than spawn
+    mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "init"), str(tmp_path), backend),
+        nprocs=world,
+        start_method="fork",
+    )
     parts = [_replica_data(r) for r in (0, 1)]
     expected = search_clip_bounds(
         torch.cat([p[0] for p in parts]),
