@@ -56,6 +56,11 @@ def test_round_trip_with_parity(checkpoint, tmp_path):
     card = (out / "README.md").read_text()
     assert "run-abc" in card and "| step | `3` |" in card and "| `rho0` | `0.4` |" in card
     assert "| `c_high_max` | `3.0` |" in card and "parity PASS" in card
+    assert "PreTrainedTokenizerFast.from_pretrained" in card  # AutoTokenizer picks Qwen2Tokenizer for qwen2
+    from transformers import PreTrainedTokenizerFast
+
+    advised = PreTrainedTokenizerFast.from_pretrained(out)("12+3=? x")["input_ids"]
+    assert advised == [5, 6, 14, 7, 17, 20, 21, 3]  # ' ' = 21, 'x' -> <unk> = 3, as in training
     assert not list(tmp_path.glob(".hf.partial-*"))
 
     # independent check: logits of the exported model equal the checkpoint's on a fixed input

@@ -138,5 +138,14 @@ def export_embedded(ref: CheckpointRef, out: str | Path, force: bool = False,
         if not parity.passed:
             raise ExportError(f"export of {ref.path} failed its parity check ({parity.summary()}); nothing was "
                               "written. Check the transformers version used for training and export.")
-        (tmp / "README.md").write_text(model_card(info, parity, ref.path))
+        card = model_card(info, parity, ref.path)
+        if type(reloaded_tok).__name__ != type(tokenizer).__name__:
+            # transformers 5 forces the model type's tokenizer class for some types (qwen2 among them)
+            note = (f"`AutoTokenizer` loads this directory as `{type(reloaded_tok).__name__}` (chosen by the model "
+                    f"type), while training used `{type(tokenizer).__name__}`; the two can encode text differently "
+                    "(spaces, characters outside the vocabulary). Load the training tokenizer exactly with "
+                    "`PreTrainedTokenizerFast.from_pretrained(<this directory>)`.")
+            progress(f"note: {note}")
+            card += f"\n## Loading the tokenizer\n\n{note}\n"
+        (tmp / "README.md").write_text(card)
     return ExportResult(Path(out).resolve(), parity, ref.path, info.get("step"), info.get("mlflow_run_id"))
