@@ -266,6 +266,53 @@ def plot_study(summary: StudySummary, path: Path) -> Path:
     return path
 
 
+def plot_finals(summary: StudySummary, path: Path) -> Path:
+    """Final held-out avg@k and final reward per cell, mean ± std over seeds: against the row axis (e.g.
+    staleness) with one line per method, or one bar per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = summary.study
+    cells = study.cells_for(summary.mode)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, key, title in ((axes[0], "heldout_end", "final held-out avg@k"), (axes[1], "reward_end", "final reward")):
+        if study.row_axis:
+            xs = list(dict.fromkeys(c.labels[study.row_axis] for c in cells))
+            for label in dict.fromkeys(_line_label(c.labels, study.row_axis) for c in cells):
+                pts = [(i, summary.cells[c.name][key]) for i, x in enumerate(xs) for c in cells
+                       if c.labels[study.row_axis] == x and _line_label(c.labels, study.row_axis) == label]
+                pts = [(i, m, sd) for i, (m, sd, n) in pts if n]
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                                yerr=[p[2] if math.isfinite(p[2]) else 0 for p in pts], marker="o", capsize=3,
+                                label=label)
+            ax.set_xticks(range(len(xs)), xs)
+            ax.set_xlabel(study.row_axis)
+            ax.legend(fontsize=8)
+        else:
+            names = [c.name for c in cells]
+            means = [summary.cells[n][key][0] for n in names]
+            stds = [summary.cells[n][key][1] for n in names]
+            ax.bar(range(len(names)), [m if math.isfinite(m) else 0 for m in means],
+                   yerr=[sd if math.isfinite(sd) else 0 for sd in stds], capsize=3, color="tab:blue", alpha=0.7)
+            ax.set_xticks(range(len(names)), [n.split("=", 1)[-1] if "/" not in n else n for n in names],
+                          rotation=20, fontsize=7)
+        if key == "heldout_end":
+            starts = [summary.cells[c.name]["heldout_start"][0] for c in cells]
+            starts = [v for v in starts if math.isfinite(v)]
+            if starts:
+                ax.axhline(sum(starts) / len(starts), color="grey", ls=":", lw=1, label="after warm-up")
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"{study.name} ({summary.mode}): mean ± std over seeds", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _line_label(labels: dict[str, str], row_axis: str | None) -> str:
     return "/".join(v for k, v in labels.items() if k != row_axis) or "all"
 
@@ -293,7 +340,8 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
                      + (f"; wall clock first start to last end {(max(e for _, e in spans) - min(s for s, _ in spans)) / 60000:.1f} min."
                         if spans else "."))
     rel = figure.relative_to(doc_dir) if figure.is_relative_to(doc_dir) else figure
-    lines += ["", f"![{study.name}]({rel.as_posix()})", "",
+    finals = rel.with_name(rel.stem + "_final.png")
+    lines += ["", f"![{study.name}: final values]({finals.as_posix()})", "", f"![{study.name}]({rel.as_posix()})", "",
               "| cell | n | held-out avg@k start → end | final reward | entropy start → end | collapsed | "
               "c_low | c_high | rho | target met | grad norm |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -325,6 +373,7 @@ def update_doc(doc: Path, key: str, body: str) -> None:
 def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]:
     out_dir = docs / "results" / summary.mode
     figure = plot_study(summary, out_dir / f"{summary.study.name}.png")
+    plot_finals(summary, out_dir / f"{summary.study.name}_final.png")
     data = {
         "study": summary.study.name, "mode": summary.mode, "max_steps": summary.budget.max_steps,
         "seeds": list(summary.budget.seeds),

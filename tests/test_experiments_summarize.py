@@ -136,6 +136,7 @@ def test_summary_from_mlflow_store(toy_store, tmp_path):
     (docs / "results.md").write_text("# Results\n\nHand-written analysis stays.\n")
     figure, table = write_outputs(summary, docs)
     assert figure.stat().st_size > 10_000 and figure.read_bytes()[:4] == b"\x89PNG"
+    assert (figure.parent / "toy_final.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads(table.read_text())
     assert data["cells"]["arm=a"]["reward_end"]["mean"] == pytest.approx(0.725)
     assert list(data["not_completed"]) == [missing.spec.run_name]
