@@ -183,7 +183,7 @@ def test_proximal_reference_warning():
             1,
             8,
             "loss_fn.bapo.ratio_reference=proximal",
-            "policy.train_global_batch_size=512",
+            "policy.train_global_batch_size=1024",
         )
     )
     warnings = {f.key: f.message for f in findings if f.level == "warning"}
