@@ -352,11 +352,13 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
             lines.append(f"| {cell.name} | 0 | — | — | — | — | — | — | — | — | — |")
             continue
         collapsed = f"{round(s['collapsed'][0] * s['collapsed'][2])}/{s['collapsed'][2]}"
+        searched = cell.overrides.get("loss.bapo.enabled", True)  # fixed bounds: no search, no target
+        target = fmt(*s["target_met"][:2], 2) if searched else "n/a"
         lines.append(
             f"| {cell.name} | {n} | {fmt(*s['heldout_start'][:2])} → {fmt(*s['heldout_end'][:2])} | "
             f"{fmt(*s['reward_end'][:2])} | {fmt(*s['entropy_start'][:2])} → {fmt(*s['entropy_end'][:2])} | "
             f"{collapsed} | {fmt(*s['c_low'][:2], 2)} | {fmt(*s['c_high'][:2], 2)} | {fmt(*s['rho'][:2])} | "
-            f"{fmt(*s['target_met'][:2], 2)} | {fmt(*s['grad_norm'][:2])} |")
+            f"{target} | {fmt(*s['grad_norm'][:2])} |")
     return "\n".join(lines) + "\n"
 
 
