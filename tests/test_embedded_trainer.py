@@ -162,3 +162,31 @@ def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
     # Harmless keys may change: a longer run continues from the checkpoint.
     longer = load_config(_write_config(tmp_path), ["train.max_steps=2", "checkpoint.every=5"])
     assert train(longer, out, resume=True)["step"] == 2
+
+
+LEARNS = {
+    "seed": 0,
+    "runtime": {"progress": False},
+    "model": {"hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+              "max_position_embeddings": 64},
+    "task": {"max_ops": 3, "eval_size": 64},
+    "warmup": {"steps": 400, "batch_size": 32, "lr": 3.0e-3, "step_error_rate": 0.1},
+    "rollout": {"group_size": 8, "prompts_per_step": 16,
+                "partial": {"token_budget": 8, "max_resumptions": 4, "max_response_tokens": 32,
+                            "max_in_flight_groups": 32}},
+    "optim": {"lr": 1.0e-4},
+    "train": {"max_steps": 20, "updates_per_batch": 2, "micro_batch_size": 32},
+    "eval": {"every": 10, "k": 8},
+    "checkpoint": {"every": 100},
+}
+
+
+@pytest.mark.slow
+def test_rl_raises_held_out_accuracy(tmp_path):
+    """Warm-up on imperfect demonstrations, then 20 BAPO steps with partial rollouts (8-token segments)
+    and 2 updates per batch. Held-out avg@8 over 64 unseen prompts, seed 0: measured 0.381 at the start
+    of RL and 0.457 after 20 steps (+0.076, pass@8 0.844 -> 0.875); asserted with margin: +0.03."""
+    summary = train(load_config(_write_config(tmp_path, LEARNS)), tmp_path / "run")
+    start, end = summary["eval_start"]["eval/avg_at_k"], summary["eval_end"]["eval/avg_at_k"]
+    assert summary["step"] == 20
+    assert end >= start + 0.03, (start, end, summary["eval_history"])

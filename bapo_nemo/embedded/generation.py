@@ -25,8 +25,12 @@ def sample_continuations(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     temperature: float = 1.0,
+    compact: bool = True,
 ) -> list[Continuation]:
-    """Sample up to `max_new_tokens` tokens after each context (prompt, or prompt + earlier segments)."""
+    """Sample up to `max_new_tokens` tokens after each context (prompt, or prompt + earlier segments).
+
+    compact=False keeps finished rows in the batch until every row is done (static batching, as HF
+    `generate` does); their extra samples are discarded. Only benchmarks use it."""
     n = len(contexts)
     if n == 0:
         return []
@@ -54,6 +58,7 @@ def sample_continuations(
     cache, logits = out.past_key_values, out.logits[:, -1]
     next_pos = positions[:, -1:] + 1
     rows = torch.tensor(live)  # batch row -> sequence index
+    active = [True] * len(live)  # static batching only: rows still generating
 
     for _ in range(max(limits[i] for i in live)):
         log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -61,6 +66,8 @@ def sample_continuations(
         token_lp = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         keep = []
         for row, (seq, tok, lp) in enumerate(zip(rows.tolist(), tokens.tolist(), token_lp.tolist())):
+            if not active[row]:
+                continue
             res = results[seq]
             res.token_ids.append(tok)
             res.logprobs.append(lp)
@@ -70,11 +77,14 @@ def sample_continuations(
                 keep.append(row)
         if not keep:
             break
-        if len(keep) < len(rows):
+        if not compact:
+            active = [row in set(keep) for row in range(len(rows))]
+        elif len(keep) < len(rows):
             idx = torch.tensor(keep, device=device)
             cache.batch_select_indices(idx)
             rows, tokens = rows[torch.tensor(keep)], tokens[idx]
             attention, next_pos = attention[idx], next_pos[idx]
+            active = [True] * len(keep)
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
         out = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
                     past_key_values=cache, use_cache=True)
