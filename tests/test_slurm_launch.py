@@ -443,7 +443,7 @@ def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, 
     """Attempt 0 gets the pre-time-limit signal (`scancel --signal=USR1 --batch` is what
     `#SBATCH --signal=B:USR1@900` sends): the trainer checkpoints, the script requeues the job itself.
     Attempt 1 is requeued from outside with `scontrol requeue`. Attempt 2 runs to the final step."""
-    max_steps = 12
+    max_steps = 20  # room for both interruptions to land before the end, even on a fast machine
     sub = submit(slurm, tmp_path, max_steps=max_steps)
 
     # Attempt 0: wait for a first checkpoint (the trainer is then past start-up), then the USR1.

@@ -132,7 +132,7 @@ def test_run_driver_relays_a_stop_request_to_the_driver(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out  # the driver's own exit code after checkpointing, not 7
     assert marker.read_text() == "SIGUSR1"
-    assert time.monotonic() - started < 10  # polled every 2 s
+    assert time.monotonic() - started < 10  # polled every second
     assert "sending SIGUSR1 to the driver" in out
 
 

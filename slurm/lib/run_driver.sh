@@ -41,7 +41,7 @@ while kill -0 "$driver_pid" 2>/dev/null; do
       echo "[run_driver] stop requested: the driver is expected to stop on its own"
     fi
   fi
-  sleep 2 &
+  sleep 1 &
   wait $! 2>/dev/null || true
 done
 
