@@ -36,8 +36,12 @@ RESULTS = Path(__file__).parent / "results"
 def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
     """Generated tokens and wall time over `args.steps` training steps (after `args.warmup_steps` steps
     that fill the pipeline and are not timed)."""
-    config = PartialRolloutConfig(token_budget=budget, max_resumptions=64, max_response_tokens=args.max_len,
-                                  max_in_flight_groups=in_flight)
+    config = PartialRolloutConfig(
+        token_budget=budget,
+        max_resumptions=64,
+        max_response_tokens=args.max_len,
+        max_in_flight_groups=in_flight,
+    )
     manager = PartialRolloutManager(config, args.group_size)
     tasks = TaskGenerator(args.seed, 1, args.max_ops, args.tail_alpha)
     generator = torch.Generator().manual_seed(args.seed)
@@ -51,7 +55,9 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
         targets = [target_of[tuple(c[:p])] for c, p in zip(contexts, prompt_lens)]
         done = [len(c) - p for c, p in zip(contexts, prompt_lens)]
         limits = [max(0, min(max_new_tokens, t - d)) for t, d in zip(targets, done)]
-        outs = sample_continuations(model, contexts, limits, eos, tokenizer.pad_token_id, generator, compact=compact)
+        outs = sample_continuations(
+            model, contexts, limits, eos, tokenizer.pad_token_id, generator, compact=compact
+        )
         chunks = []
         for o, t, d in zip(outs, targets, done):
             # An early EOS of the untrained model is replaced, so lengths follow the task mix exactly.
@@ -81,8 +87,14 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
         print(f"  {name:>8} step {step:2d}: {step_tokens:6.0f} tokens in {dt:5.2f}s wall, {dc:5.2f}s CPU")
     # On a shared machine wall time depends on the neighbours; this process is single-threaded, so its
     # CPU time is the wall time it would take alone. Both are reported; the ratio uses CPU time.
-    return {"tokens": tokens, "wall_seconds": elapsed, "cpu_seconds": cpu, "tokens_per_s": tokens / cpu,
-            "wall_tokens_per_s": tokens / elapsed, "per_step_tokens_per_s": per_step}
+    return {
+        "tokens": tokens,
+        "wall_seconds": elapsed,
+        "cpu_seconds": cpu,
+        "tokens_per_s": tokens / cpu,
+        "wall_tokens_per_s": tokens / elapsed,
+        "per_step_tokens_per_s": per_step,
+    }
 
 
 def main() -> None:
@@ -92,8 +104,12 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--token-budget", type=int, default=32)
-    parser.add_argument("--in-flight-factor", type=float, default=1.5,
-                        help="with partial rollouts: groups in flight = factor x prompts per step")
+    parser.add_argument(
+        "--in-flight-factor",
+        type=float,
+        default=1.5,
+        help="with partial rollouts: groups in flight = factor x prompts per step",
+    )
     parser.add_argument("--max-ops", type=int, default=12)
     parser.add_argument("--tail-alpha", type=float, default=1.5)
     parser.add_argument("--max-len", type=int, default=112)
@@ -102,29 +118,50 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer()
-    model_cfg = SimpleNamespace(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                                max_position_embeddings=256, rope_theta=10000.0)
+    model_cfg = SimpleNamespace(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
     model = build_model(model_cfg, tokenizer, seed=0).eval()
 
     print("without partial rollouts, static batch (finished rows wait for the longest, as HF generate):")
-    static = run_mode("static", model, tokenizer, args, budget=args.max_len, in_flight=args.prompts_per_step,
-                      compact=False)
+    static = run_mode(
+        "static", model, tokenizer, args, budget=args.max_len, in_flight=args.prompts_per_step, compact=False
+    )
     print("without partial rollouts (each step generates its groups to completion, finished rows leave):")
-    without = run_mode("without", model, tokenizer, args, budget=args.max_len, in_flight=args.prompts_per_step)
+    without = run_mode(
+        "without", model, tokenizer, args, budget=args.max_len, in_flight=args.prompts_per_step
+    )
     in_flight = int(args.in_flight_factor * args.prompts_per_step)
     print(f"with partial rollouts (token_budget={args.token_budget}, {in_flight} groups in flight):")
     with_ = run_mode("with", model, tokenizer, args, budget=args.token_budget, in_flight=in_flight)
     ratio = with_["tokens_per_s"] / without["tokens_per_s"]
     ratio_static = with_["tokens_per_s"] / static["tokens_per_s"]
     wall_ratio = with_["wall_tokens_per_s"] / without["wall_tokens_per_s"]
-    print(f"\ngenerated tokens per CPU-second  without: {without['tokens_per_s']:.0f}  with: {with_['tokens_per_s']:.0f}"
-          f"  ratio with/without: {ratio:.2f}x   (wall-clock ratio on this machine: {wall_ratio:.2f}x)")
-    print(f"static batch without partial rollouts: {static['tokens_per_s']:.0f}   ratio with/static: {ratio_static:.2f}x")
+    print(
+        f"\ngenerated tokens per CPU-second  without: {without['tokens_per_s']:.0f}  with: {with_['tokens_per_s']:.0f}"
+        f"  ratio with/without: {ratio:.2f}x   (wall-clock ratio on this machine: {wall_ratio:.2f}x)"
+    )
+    print(
+        f"static batch without partial rollouts: {static['tokens_per_s']:.0f}   ratio with/static: {ratio_static:.2f}x"
+    )
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), "without": without, "with": with_, "ratio": ratio, "wall_ratio": wall_ratio,
-              "static_batch": static, "ratio_vs_static_batch": ratio_static,
-              "torch_threads": torch.get_num_threads()}
+    record = {
+        "args": vars(args),
+        "without": without,
+        "with": with_,
+        "ratio": ratio,
+        "wall_ratio": wall_ratio,
+        "static_batch": static,
+        "ratio_vs_static_batch": ratio_static,
+        "torch_threads": torch.get_num_threads(),
+    }
     (RESULTS / "partial_rollout.json").write_text(json.dumps(record, indent=2))
     import matplotlib
 
@@ -132,9 +169,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(["static batch", "without", f"with (budget {args.token_budget})"],
-            [static["tokens_per_s"], without["tokens_per_s"], with_["tokens_per_s"]],
-            color=["tab:red", "tab:gray", "tab:blue"])
+    ax1.bar(
+        ["static batch", "without", f"with (budget {args.token_budget})"],
+        [static["tokens_per_s"], without["tokens_per_s"], with_["tokens_per_s"]],
+        color=["tab:red", "tab:gray", "tab:blue"],
+    )
     ax1.set_ylabel("generated tokens / CPU-second")
     ax1.set_title(f"partial rollouts: {ratio:.2f}x")
     ax2.plot(static["per_step_tokens_per_s"], "o-", color="tab:red", label="static batch")

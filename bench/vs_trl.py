@@ -5,7 +5,8 @@ tasks), same batch (prompts x group size), same maximum completion length, tempe
 update per rollout batch, no KL term. Both start from the untrained model, so response lengths come from
 the same sampling distribution. Throughput = generated completion tokens / time spent in RL steps
 (generation + loss + optimizer), first step of each excluded (start-up), evaluation and checkpoints
-excluded. Ours is measured twice: with partial rollouts (its default) and with them off.
+excluded. Time is process CPU time (both run single-threaded in this process, so it equals the wall time
+on an otherwise idle machine; wall time on a shared machine is reported too). Ours is measured twice: with partial rollouts (its default) and with them off.
 
     pip install -e '.[bench]'   # trl
     python bench/vs_trl.py [--steps 6]
@@ -34,13 +35,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_ours(args, partial: bool) -> dict:
     overrides = [
-        "warmup.steps=0", f"train.max_steps={args.steps + 1}", "train.updates_per_batch=1",
-        f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
+        "warmup.steps=0",
+        f"train.max_steps={args.steps + 1}",
+        "train.updates_per_batch=1",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group_size}",
         f"rollout.partial.max_response_tokens={args.max_len}",
         f"rollout.partial.token_budget={args.token_budget if partial else args.max_len}",
         f"rollout.partial.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
-        f"eval.every={10 * args.steps}", "eval.k=1", "task.eval_size=4", "runtime.progress=false",
-        f"checkpoint.every={10 * args.steps}", f"optim.lr={args.lr}", f"runtime.num_threads={args.threads}",
+        f"eval.every={10 * args.steps}",
+        "eval.k=1",
+        "task.eval_size=4",
+        "runtime.progress=false",
+        f"checkpoint.every={10 * args.steps}",
+        f"optim.lr={args.lr}",
+        f"runtime.num_threads={args.threads}",
     ]
     cfg = load_config(REPO / "configs" / "local_cpu.yaml", overrides)
     with tempfile.TemporaryDirectory() as out:
@@ -49,9 +58,17 @@ def run_ours(args, partial: bool) -> dict:
     steps = [r for r in records if r["step"] >= 2]  # step 1 excluded (start-up)
     tokens = sum(r["perf/generated_tokens"] for r in steps)
     seconds = sum(r["perf/step_time_s"] for r in steps)
+    cpu = sum(r["perf/step_cpu_s"] for r in steps)
     lengths = [r["train/response_length_mean"] for r in steps]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "mean_completion_length": sum(lengths) / len(lengths), "steps": len(steps)}
+    return {
+        "tokens": tokens,
+        "wall_seconds": seconds,
+        "cpu_seconds": cpu,
+        "tokens_per_s": tokens / cpu,
+        "wall_tokens_per_s": tokens / seconds,
+        "mean_completion_length": sum(lengths) / len(lengths),
+        "steps": len(steps),
+    }
 
 
 def run_trl(args) -> dict:
@@ -63,21 +80,25 @@ def run_trl(args) -> dict:
     cfg = load_config(REPO / "configs" / "local_cpu.yaml")
     model = build_model(cfg.model, tokenizer, seed=cfg.seed)
     tasks = TaskGenerator(cfg.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
-        args.prompts * (args.steps + 1))
-    dataset = Dataset.from_list([{"prompt": tokenizer.bos_token + t.question, "answer": t.answer} for t in tasks])
+        args.prompts * (args.steps + 1)
+    )
+    dataset = Dataset.from_list(
+        [{"prompt": tokenizer.bos_token + t.question, "answer": t.answer} for t in tasks]
+    )
 
     def correct(completions, answer, **_):
         return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.times, self.logs, self._t = [], [], 0.0
+            self.times, self.cpu, self.logs, self._t, self._c = [], [], [], 0.0, 0.0
 
         def on_step_begin(self, *_, **__):
-            self._t = time.perf_counter()
+            self._t, self._c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
             self.times.append(time.perf_counter() - self._t)
+            self.cpu.append(time.process_time() - self._c)
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             self.logs.append(dict(logs or {}))
@@ -85,21 +106,48 @@ def run_trl(args) -> dict:
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, max_steps=args.steps + 1, learning_rate=args.lr, per_device_train_batch_size=args.prompts
-            * args.group_size, num_generations=args.group_size, steps_per_generation=1, num_iterations=1,
-            max_completion_length=args.max_len, temperature=1.0, beta=0.0, use_cpu=True, report_to=[],
-            logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=cfg.seed,
-            bf16=False, fp16=False,
+            output_dir=out,
+            max_steps=args.steps + 1,
+            learning_rate=args.lr,
+            per_device_train_batch_size=args.prompts * args.group_size,
+            num_generations=args.group_size,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=args.max_len,
+            temperature=1.0,
+            beta=0.0,
+            use_cpu=True,
+            report_to=[],
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=cfg.seed,
+            bf16=False,
+            fp16=False,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=correct,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[clock],
+        )
         trainer.train()
     step_logs = [log for log in clock.logs if "completions/mean_length" in log]
     lengths = [log["completions/mean_length"] for log in step_logs][1:]
-    seconds = sum(clock.times[1:])
+    seconds, cpu = sum(clock.times[1:]), sum(clock.cpu[1:])
     tokens = sum(length * args.prompts * args.group_size for length in lengths)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "mean_completion_length": sum(lengths) / len(lengths), "steps": len(lengths)}
+    return {
+        "tokens": tokens,
+        "wall_seconds": seconds,
+        "cpu_seconds": cpu,
+        "tokens_per_s": tokens / cpu,
+        "wall_tokens_per_s": tokens / seconds,
+        "mean_completion_length": sum(lengths) / len(lengths),
+        "steps": len(lengths),
+    }
 
 
 def main() -> None:
@@ -123,14 +171,22 @@ def main() -> None:
     ours = run_ours(args, partial=True)
     rows = {"trl_grpo": trl, "ours_no_partial": ours_full, "ours_partial": ours}
     for name, r in rows.items():
-        print(f"  {name:16s} {r['tokens_per_s']:8.0f} tokens/s  ({r['tokens']:.0f} tokens in {r['seconds']:.1f}s, "
-              f"mean completion {r['mean_completion_length']:.1f})")
+        print(
+            f"  {name:16s} {r['tokens_per_s']:8.0f} tokens per CPU-second ({r['tokens']:.0f} tokens, "
+            f"{r['cpu_seconds']:.1f}s CPU, {r['wall_seconds']:.1f}s wall; mean completion "
+            f"{r['mean_completion_length']:.1f})"
+        )
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     ratio_full = ours_full["tokens_per_s"] / trl["tokens_per_s"]
     print(f"\nours / TRL: {ratio:.2f}x with partial rollouts, {ratio_full:.2f}x without")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), **rows, "ratio_partial_vs_trl": ratio, "ratio_no_partial_vs_trl": ratio_full}
+    record = {
+        "args": vars(args),
+        **rows,
+        "ratio_partial_vs_trl": ratio,
+        "ratio_no_partial_vs_trl": ratio_full,
+    }
     (RESULTS / "vs_trl.json").write_text(json.dumps(record, indent=2))
     import matplotlib
 
@@ -139,9 +195,12 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = ["TRL GRPOTrainer", "ours (no partial)", "ours (partial)"]
-    ax.bar(names, [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"]],
-           color=["tab:gray", "tab:cyan", "tab:blue"])
-    ax.set_ylabel("generated tokens / s (RL steps)")
+    ax.bar(
+        names,
+        [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"]],
+        color=["tab:gray", "tab:cyan", "tab:blue"],
+    )
+    ax.set_ylabel("generated tokens / CPU-second (RL steps)")
     ax.set_title(f"end-to-end RL on CPU: ours {ratio:.2f}x TRL")
     fig.tight_layout()
     fig.savefig(RESULTS / "vs_trl.png", dpi=120)

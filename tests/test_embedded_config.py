@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_default_config_file_loads():
     cfg = load_config(REPO / "configs" / "local_cpu.yaml")
-    assert cfg.loss.bapo.enabled and cfg.rollout.partial.token_budget < cfg.rollout.partial.max_response_tokens
+    assert (
+        cfg.loss.bapo.enabled and cfg.rollout.partial.token_budget < cfg.rollout.partial.max_response_tokens
+    )
 
 
 def test_unknown_yaml_key_names_the_key_and_close_matches(tmp_path):
@@ -31,7 +33,9 @@ def test_unknown_yaml_key_names_the_key_and_close_matches(tmp_path):
 
 
 def test_unknown_override_key_is_an_error_listing_close_matches():
-    with pytest.raises(RunConfigError, match=r"unknown config key 'optim.learning_rate'.*did you mean") as exc:
+    with pytest.raises(
+        RunConfigError, match=r"unknown config key 'optim.learning_rate'.*did you mean"
+    ) as exc:
         load_config(None, ["optim.learning_rate=0.1"])
     assert "optim.lr" in str(exc.value) or "warmup.lr" in str(exc.value)
     with pytest.raises(RunConfigError, match="key.sub=value"):
@@ -76,7 +80,9 @@ def test_lengths_must_fit_the_model():
 
 def test_config_differences_ignore_only_harmless_keys():
     a = validate_config({}).to_dict()
-    b = validate_config({"train": {"max_steps": 999}, "checkpoint": {"every": 3}, "tracking": {"run_name": "x"}}).to_dict()
+    b = validate_config(
+        {"train": {"max_steps": 999}, "checkpoint": {"every": 3}, "tracking": {"run_name": "x"}}
+    ).to_dict()
     assert config_differences(a, b) == []
     c = validate_config({"model": {"hidden_size": 64}, "loss": {"bapo": {"rho0": 0.5}}}).to_dict()
     diffs = config_differences(a, c)

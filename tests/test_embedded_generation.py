@@ -13,21 +13,31 @@ from bapo_nemo.embedded.tokenizer import load_tokenizer
 
 torch.set_num_threads(1)
 TOK = load_tokenizer()
-CFG = SimpleNamespace(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_position_embeddings=128, rope_theta=10000.0)
+CFG = SimpleNamespace(
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+)
 
 
 def _full_forward_logprobs(model, context, continuation):
     ids = torch.tensor([context + continuation])
     lp, _ = token_logprobs_and_entropy(model, ids, torch.ones_like(ids), with_entropy=False)
-    return lp[0, len(context) - 1:]
+    return lp[0, len(context) - 1 :]
 
 
 def test_recorded_logprobs_match_an_independent_full_forward():
     model = build_model(CFG, TOK, seed=0)
-    contexts = [[TOK.bos_token_id] + TOK.encode(q, add_special_tokens=False) for q in ["7+5-3?", "2?", "1+2+3+4+5?"]]
-    outs = sample_continuations(model, contexts, 25, TOK.eos_token_id, TOK.pad_token_id,
-                                torch.Generator().manual_seed(0))
+    contexts = [
+        [TOK.bos_token_id] + TOK.encode(q, add_special_tokens=False) for q in ["7+5-3?", "2?", "1+2+3+4+5?"]
+    ]
+    outs = sample_continuations(
+        model, contexts, 25, TOK.eos_token_id, TOK.pad_token_id, torch.Generator().manual_seed(0)
+    )
     for ctx, out in zip(contexts, outs):
         assert len(out.token_ids) == len(out.logprobs) <= 25
         if out.finished:
@@ -53,8 +63,9 @@ def test_eos_stops_a_sequence_and_the_others_continue():
         return out
 
     model.forward = forward
-    outs = sample_continuations(model, contexts, 10, TOK.eos_token_id, TOK.pad_token_id,
-                                torch.Generator().manual_seed(1))
+    outs = sample_continuations(
+        model, contexts, 10, TOK.eos_token_id, TOK.pad_token_id, torch.Generator().manual_seed(1)
+    )
     assert outs[0].token_ids == [TOK.eos_token_id] and outs[0].finished
     assert len(outs[1].token_ids) == 10 and not outs[1].finished
 
@@ -64,15 +75,28 @@ def test_continuation_equals_one_uninterrupted_sample():
     the rest must score exactly like the uninterrupted continuation."""
     model = build_model(CFG, TOK, seed=2)
     prompt = [TOK.bos_token_id] + TOK.encode("3+4-1?", add_special_tokens=False)
-    first = sample_continuations(model, [prompt], 6, TOK.eos_token_id, TOK.pad_token_id,
-                                 torch.Generator().manual_seed(3))[0]
-    second = sample_continuations(model, [prompt + first.token_ids], 10, TOK.eos_token_id, TOK.pad_token_id,
-                                  torch.Generator().manual_seed(4))[0]
+    first = sample_continuations(
+        model, [prompt], 6, TOK.eos_token_id, TOK.pad_token_id, torch.Generator().manual_seed(3)
+    )[0]
+    second = sample_continuations(
+        model,
+        [prompt + first.token_ids],
+        10,
+        TOK.eos_token_id,
+        TOK.pad_token_id,
+        torch.Generator().manual_seed(4),
+    )[0]
     joined = first.token_ids + second.token_ids
     ref = _full_forward_logprobs(model, prompt, joined)
     torch.testing.assert_close(torch.tensor(first.logprobs + second.logprobs), ref, atol=1e-4, rtol=0)
     # And a batch mixing a long and a short context (left padding) gives the same log-probs as alone.
-    mixed = sample_continuations(model, [prompt + first.token_ids, [TOK.bos_token_id]], 10, TOK.eos_token_id,
-                                 TOK.pad_token_id, torch.Generator().manual_seed(4))[0]
+    mixed = sample_continuations(
+        model,
+        [prompt + first.token_ids, [TOK.bos_token_id]],
+        10,
+        TOK.eos_token_id,
+        TOK.pad_token_id,
+        torch.Generator().manual_seed(4),
+    )[0]
     ref_mixed = _full_forward_logprobs(model, prompt + first.token_ids, mixed.token_ids)
     torch.testing.assert_close(torch.tensor(mixed.logprobs), ref_mixed, atol=1e-4, rtol=0)

@@ -90,9 +90,17 @@ def test_jsonl_malformed_rows_are_skipped_and_counted(tmp_path):
 
 def test_jsonl_too_many_bad_rows_is_an_error(tmp_path):
     path = tmp_path / "tasks.jsonl"
-    _write(path, [json.dumps({"question": "1+1?", "answer": "2"}), json.dumps({"question": "1+1=!", "answer": 2}),
-                  "[]"])
-    with pytest.raises(TaskFileError, match=r"skipped 2 malformed row\(s\) of 3.*task.max_bad_fraction=0.1") as exc:
+    _write(
+        path,
+        [
+            json.dumps({"question": "1+1?", "answer": "2"}),
+            json.dumps({"question": "1+1=!", "answer": 2}),
+            "[]",
+        ],
+    )
+    with pytest.raises(
+        TaskFileError, match=r"skipped 2 malformed row\(s\) of 3.*task.max_bad_fraction=0.1"
+    ) as exc:
         load_jsonl_tasks(path, max_bad_fraction=0.1)
     assert "characters outside the vocabulary: '!'" in str(exc.value)
 

@@ -21,14 +21,27 @@ from bapo_nemo.embedded.trainer import ResumeError, train
 TINY = {
     "seed": 0,
     "runtime": {"progress": False},
-    "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-              "max_position_embeddings": 96},
+    "model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "max_position_embeddings": 96,
+    },
     "task": {"max_ops": 3, "eval_size": 8},
     "warmup": {"steps": 10, "batch_size": 8},
-    "rollout": {"group_size": 4, "prompts_per_step": 4,
-                # 6-token segments: most responses need several, so checkpoints hold segments in flight
-                "partial": {"token_budget": 6, "max_resumptions": 6, "max_response_tokens": 36,
-                            "max_in_flight_groups": 8}},
+    "rollout": {
+        "group_size": 4,
+        "prompts_per_step": 4,
+        # 6-token segments: most responses need several, so checkpoints hold segments in flight
+        "partial": {
+            "token_budget": 6,
+            "max_resumptions": 6,
+            "max_response_tokens": 36,
+            "max_in_flight_groups": 8,
+        },
+    },
     "train": {"max_steps": 16, "updates_per_batch": 2, "micro_batch_size": 32},
     "eval": {"every": 8, "k": 2},
     "checkpoint": {"every": 2, "keep_last": 3},
@@ -45,8 +58,21 @@ def _write_config(tmp_path: Path, data: dict = TINY) -> Path:
 def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(
-        [sys.executable, "-m", "bapo_nemo.cli", "train", str(config), "--output-dir", str(out), "--resume", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "bapo_nemo.cli",
+            "train",
+            str(config),
+            "--output-dir",
+            str(out),
+            "--resume",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -87,7 +113,7 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
     resumed = _launch(config, out)
     stdout, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout[stdout.index("{"):])
+    summary = json.loads(stdout[stdout.index("{") :])
     assert summary["step"] == 16
     assert summary["mlflow_run_id"] == info["mlflow_run_id"]
 
@@ -119,8 +145,16 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
     # Contract 1: the checkpoint layout other tools read, and the final HF save.
     final = complete_checkpoints(out)[-1]
     assert final.name == "step_16" and (out / "checkpoints" / "latest").read_text().strip() == "step_16"
-    for rel in ("model/config.json", "model/model.safetensors", "model/generation_config.json",
-                "tokenizer/tokenizer.json", "trainer_state.pt", "rollout_state.json", "config.yaml", "COMPLETE"):
+    for rel in (
+        "model/config.json",
+        "model/model.safetensors",
+        "model/generation_config.json",
+        "tokenizer/tokenizer.json",
+        "trainer_state.pt",
+        "rollout_state.json",
+        "config.yaml",
+        "COMPLETE",
+    ):
         assert (final / rel).is_file(), rel
     ti = json.loads((final / "training_info.json").read_text())
     assert ti["step"] == 16 and ti["bapo"]["rho0"] == 0.4 and ti["model_name"] and ti["config_hash"]
@@ -139,7 +173,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout[stdout.index("{"):])
+    summary = json.loads(stdout[stdout.index("{") :])
     assert summary["stopped_by_signal"] == "SIGTERM"
     stopped = summary["step"]
     assert 2 <= stopped < 400
@@ -153,7 +187,9 @@ def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
     train(cfg, out)
     with pytest.raises(ResumeError, match="pass --resume"):
         train(cfg, out, resume=False)  # never overwrite silently
-    other = load_config(_write_config(tmp_path), ["model.hidden_size=64", "loss.bapo.rho0=0.5", "task.max_ops=2"])
+    other = load_config(
+        _write_config(tmp_path), ["model.hidden_size=64", "loss.bapo.rho0=0.5", "task.max_ops=2"]
+    )
     with pytest.raises(ResumeError) as exc:
         train(other, out, resume=True)
     msg = str(exc.value)
@@ -167,13 +203,26 @@ def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
 LEARNS = {
     "seed": 0,
     "runtime": {"progress": False},
-    "model": {"hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-              "max_position_embeddings": 64},
+    "model": {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "max_position_embeddings": 64,
+    },
     "task": {"max_ops": 3, "eval_size": 64},
     "warmup": {"steps": 400, "batch_size": 32, "lr": 3.0e-3, "step_error_rate": 0.1},
-    "rollout": {"group_size": 8, "prompts_per_step": 16,
-                "partial": {"token_budget": 8, "max_resumptions": 4, "max_response_tokens": 32,
-                            "max_in_flight_groups": 32}},
+    "rollout": {
+        "group_size": 8,
+        "prompts_per_step": 16,
+        "partial": {
+            "token_budget": 8,
+            "max_resumptions": 4,
+            "max_response_tokens": 32,
+            "max_in_flight_groups": 32,
+        },
+    },
     "optim": {"lr": 1.0e-4},
     "train": {"max_steps": 20, "updates_per_batch": 2, "micro_batch_size": 32},
     "eval": {"every": 10, "k": 8},

@@ -100,8 +100,10 @@ def load_training_info(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads((ckpt / "training_info.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{ckpt}/training_info.json is unreadable ({exc}); delete {ckpt} to fall back "
-                              "to the previous checkpoint") from None
+        raise CheckpointError(
+            f"{ckpt}/training_info.json is unreadable ({exc}); delete {ckpt} to fall back "
+            "to the previous checkpoint"
+        ) from None
 
 
 def load_config_dict(ckpt: Path) -> dict[str, Any]:

@@ -30,8 +30,12 @@ class _Section(BaseModel):
 
 
 class RuntimeConfig(_Section):
-    num_threads: int = Field(1, ge=1, description="torch intra-op threads. 1 is fastest for the tiny model "
-                             "on a shared machine (more threads spin-wait on busy cores).")
+    num_threads: int = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads. 1 is fastest for the tiny model "
+        "on a shared machine (more threads spin-wait on busy cores).",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu, or cuda for one GPU.")
     progress: bool = Field(True, description="Show a progress bar.")
 
@@ -48,18 +52,24 @@ class ModelConfig(_Section):
     rope_theta: float = 10000.0
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         return self
 
 
 class TaskConfig(_Section):
     """Bundled multi-step arithmetic (generated with a seed) or tasks from JSONL files."""
 
-    train_file: str | None = Field(None, description="JSONL of {question, answer[, solution]}; null: generate.")
+    train_file: str | None = Field(
+        None, description="JSONL of {question, answer[, solution]}; null: generate."
+    )
     eval_file: str | None = Field(None, description="JSONL held-out set; null: generate eval_size tasks.")
     min_ops: int = Field(1, ge=1, description="Fewest operations (steps) per generated task.")
     max_ops: int = Field(12, ge=1, description="Most operations per generated task.")
@@ -71,7 +81,7 @@ class TaskConfig(_Section):
     max_bad_fraction: float = Field(0.1, ge=0, le=1, description="JSONL: most malformed rows tolerated.")
 
     @model_validator(mode="after")
-    def _ops_range(self) -> "TaskConfig":
+    def _ops_range(self) -> TaskConfig:
         if self.min_ops > self.max_ops:
             raise ValueError(f"min_ops={self.min_ops} must be <= max_ops={self.max_ops}")
         return self
@@ -84,7 +94,10 @@ class WarmupConfig(_Section):
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
     step_error_rate: float = Field(
-        0.0, ge=0, lt=1, description="Generated demonstrations: probability that a step's result is off by "
+        0.0,
+        ge=0,
+        lt=1,
+        description="Generated demonstrations: probability that a step's result is off by "
         "1-2 (the chain continues from it). Imperfect demonstrations leave errors for RL to remove.",
     )
 
@@ -102,7 +115,7 @@ class RolloutConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _in_flight_fits(self) -> "RolloutConfig":
+    def _in_flight_fits(self) -> RolloutConfig:
         in_flight = self.partial.max_in_flight_groups
         if in_flight is not None and in_flight < self.prompts_per_step:
             raise ValueError(
@@ -181,7 +194,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _lengths_fit_the_model(self) -> "RunConfig":
+    def _lengths_fit_the_model(self) -> RunConfig:
         longest_prompt = 2 + (2 + 1) * self.task.max_ops + 2  # BOS + "dd" + ("+d") * ops + "?" (generous)
         need = longest_prompt + self.rollout.partial.max_response_tokens
         if need > self.model.max_position_embeddings:
@@ -208,7 +221,7 @@ RESUME_HARMLESS_KEYS = (
 
 
 # ---- loading -------------------------------------------------------------------------------------------
-def load_config(path: str | Path | None, overrides: list[str] | None = None, **top_level) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config (None: all defaults), apply `key.sub=value` overrides, validate."""
     where = str(path) if path is not None else "<defaults>"
     data: dict[str, Any] = {}
@@ -227,9 +240,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, **t
     data = _deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
-    for key, value in top_level.items():
-        if value is not None:
-            apply_override(data, f"{key}={value}" if not isinstance(value, str) else f"{key}={value}")
     return validate_config(data, where)
 
 
@@ -326,7 +336,9 @@ def _did_you_mean(key: str) -> str:
         close += leaves[near_leaf]
     close = list(dict.fromkeys(close))[:5]
     section = key.rsplit(".", 1)[0] if "." in key else ""
-    siblings = [k for k in keys if section and k.startswith(section + ".") and "." not in k[len(section) + 1:]]
+    siblings = [
+        k for k in keys if section and k.startswith(section + ".") and "." not in k[len(section) + 1 :]
+    ]
     if not close and siblings:
         return f"; did you mean one of: {', '.join(siblings)}?"
     if not close:

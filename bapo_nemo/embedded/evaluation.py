@@ -18,21 +18,36 @@ def decode_response(tokenizer, token_ids: list[int]) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, tasks: list[Task], k: int, max_new_tokens: int, seed: int,
-             temperature: float = 1.0, batch_size: int = 256) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    tasks: list[Task],
+    k: int,
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+) -> dict[str, float]:
     """avg@k, pass@k and mean response length over `tasks`. The sampling seed is fixed, so successive
     evaluations of a changing policy share their random numbers (less noise between points)."""
     generator = torch.Generator().manual_seed(seed)
     contexts = [encode_prompt(tokenizer, t.question) for t in tasks for _ in range(k)]
     outs = []
     for start in range(0, len(contexts), batch_size):
-        outs += sample_continuations(model, contexts[start:start + batch_size], max_new_tokens,
-                                     tokenizer.eos_token_id, tokenizer.pad_token_id, generator, temperature)
+        outs += sample_continuations(
+            model,
+            contexts[start : start + batch_size],
+            max_new_tokens,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            generator,
+            temperature,
+        )
     correct = [
         reward(decode_response(tokenizer, o.token_ids), tasks[i // k]) if o.finished else 0.0
         for i, o in enumerate(outs)
     ]
-    per_prompt = [correct[i * k:(i + 1) * k] for i in range(len(tasks))]
+    per_prompt = [correct[i * k : (i + 1) * k] for i in range(len(tasks))]
     return {
         "eval/avg_at_k": sum(correct) / len(correct),
         "eval/pass_at_k": sum(any(c) for c in per_prompt) / len(tasks),

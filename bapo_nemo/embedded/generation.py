@@ -49,12 +49,17 @@ def sample_continuations(
     attention = torch.zeros((len(live), width), dtype=torch.long)
     for row, i in enumerate(live):
         ctx = contexts[i]
-        input_ids[row, width - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
-        attention[row, width - len(ctx):] = 1
+        input_ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+        attention[row, width - len(ctx) :] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache, logits = out.past_key_values, out.logits[:, -1]
     next_pos = positions[:, -1:] + 1
     rows = torch.tensor(live)  # batch row -> sequence index
@@ -86,8 +91,13 @@ def sample_continuations(
             attention, next_pos = attention[idx], next_pos[idx]
             active = [True] * len(keep)
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-        out = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=tokens.unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, logits = out.past_key_values, out.logits[:, -1]
         next_pos = next_pos + 1
     model.train(was_training)

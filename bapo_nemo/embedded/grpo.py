@@ -33,7 +33,7 @@ class TokenBatch:
     rewards: torch.Tensor  # [N]
     group_index: torch.Tensor  # [N]
 
-    def select(self, rows: list[int]) -> "TokenBatch":
+    def select(self, rows: list[int]) -> TokenBatch:
         idx = torch.tensor(rows, dtype=torch.long)
         width = int(self.attention_mask[idx].sum(-1).max())  # drop columns that are padding for all rows
         fields = {}
@@ -54,7 +54,11 @@ def build_batch(groups: list[RolloutGroup], rewards: list[list[float]], pad_toke
     n = len(rollouts)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
-    mask, behavior, weights = torch.zeros((n, width - 1)), torch.zeros((n, width - 1)), torch.zeros((n, width - 1))
+    mask, behavior, weights = (
+        torch.zeros((n, width - 1)),
+        torch.zeros((n, width - 1)),
+        torch.zeros((n, width - 1)),
+    )
     versions = torch.zeros((n, width - 1), dtype=torch.long)
     for i, r in enumerate(rollouts):
         p, m = len(r.prompt_token_ids), len(r.response_token_ids)
@@ -113,8 +117,9 @@ def policy_update(
     if bapo.enabled and bapo.granularity == "step":
         current = forward_logprobs(model, batch, micro_batch_size)
         ratio = importance_ratio(current, old_logprobs)
-        bounds = search_clip_bounds(ratio, batch.advantages.expand_as(ratio), batch.mask, bapo,
-                                    weights=importance_weights)
+        bounds = search_clip_bounds(
+            ratio, batch.advantages.expand_as(ratio), batch.mask, bapo, weights=importance_weights
+        )
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -124,8 +129,14 @@ def policy_update(
         width = micro.mask.shape[1]
         lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
         loss, metrics = bapo_policy_loss(
-            lp, old_logprobs[rows][:, :width], micro.advantages, micro.mask, n_tokens, bapo,
-            bounds=bounds, importance_weights=importance_weights[rows][:, :width],
+            lp,
+            old_logprobs[rows][:, :width],
+            micro.advantages,
+            micro.mask,
+            n_tokens,
+            bapo,
+            bounds=bounds,
+            importance_weights=importance_weights[rows][:, :width],
         )
         masked_entropy = (entropy * micro.mask).sum()
         if loss_cfg.entropy_coef:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 
 def build_model(model_cfg, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:

@@ -32,8 +32,9 @@ class TaskFileError(ValueError):
     """A JSONL task file is unusable; the message names the file and what to fix."""
 
 
-def solve(operands: list[int], operators: list[str], error_rate: float = 0.0,
-          rng: random.Random | None = None) -> tuple[str, int]:
+def solve(
+    operands: list[int], operators: list[str], error_rate: float = 0.0, rng: random.Random | None = None
+) -> tuple[str, int]:
     """The left-to-right chain of steps and the final value. With `error_rate` > 0 each step's result is
     off by 1 or 2 with that probability and the chain carries on from the wrong value (imperfect
     demonstrations, like distilled SFT data: the warm-up imitates them and RL has errors to remove)."""
@@ -54,12 +55,28 @@ def heavy_tailed_weights(min_ops: int, max_ops: int, alpha: float) -> list[float
 class TaskGenerator:
     """Seeded generator of arithmetic tasks; `state()`/`set_state()` make it resumable."""
 
-    def __init__(self, seed: int, min_ops: int = 1, max_ops: int = 12, tail_alpha: float = 1.5,
-                 max_value: int = 99, max_operand: int = 9, prefix: str = "gen", step_error_rate: float = 0.0):
+    def __init__(
+        self,
+        seed: int,
+        min_ops: int = 1,
+        max_ops: int = 12,
+        tail_alpha: float = 1.5,
+        max_value: int = 99,
+        max_operand: int = 9,
+        prefix: str = "gen",
+        step_error_rate: float = 0.0,
+    ):
         if not 1 <= min_ops <= max_ops:
-            raise ValueError(f"task.min_ops={min_ops} and task.max_ops={max_ops} must satisfy 1 <= min <= max")
+            raise ValueError(
+                f"task.min_ops={min_ops} and task.max_ops={max_ops} must satisfy 1 <= min <= max"
+            )
         self.rng = random.Random(seed)
-        self.min_ops, self.max_ops, self.max_value, self.max_operand = min_ops, max_ops, max_value, max_operand
+        self.min_ops, self.max_ops, self.max_value, self.max_operand = (
+            min_ops,
+            max_ops,
+            max_value,
+            max_operand,
+        )
         self.weights = heavy_tailed_weights(min_ops, max_ops, tail_alpha)
         self.prefix, self.count = prefix, 0
         self.step_error_rate = step_error_rate
@@ -116,7 +133,9 @@ def load_jsonl_tasks(path: str | Path, max_bad_fraction: float = 0.1) -> list[Ta
     naming the file and lines; more than `max_bad_fraction` of bad rows is an error."""
     path = Path(path)
     if not path.is_file():
-        raise TaskFileError(f"task file {path} does not exist (set task.train_file / task.eval_file to a JSONL file)")
+        raise TaskFileError(
+            f"task file {path} does not exist (set task.train_file / task.eval_file to a JSONL file)"
+        )
     tasks: list[Task] = []
     bad: list[tuple[int, str]] = []
     rows = 0
@@ -174,15 +193,33 @@ class TaskStream:
     """Training tasks in order: generated (seeded), or a JSONL pool reshuffled every epoch. Questions of
     the held-out set are never served, so held-out accuracy measures unseen problems."""
 
-    def __init__(self, seed: int, task_cfg, exclude_questions: set[str] = frozenset(), pool: list[Task] | None = None,
-                 step_error_rate: float = 0.0):
+    def __init__(
+        self,
+        seed: int,
+        task_cfg,
+        exclude_questions: set[str] = frozenset(),
+        pool: list[Task] | None = None,
+        step_error_rate: float = 0.0,
+    ):
         self.exclude = set(exclude_questions)
         self.pool = [t for t in pool if t.question not in self.exclude] if pool is not None else None
         if self.pool is not None and not self.pool:
-            raise TaskFileError("every training task is also in the held-out set: use a different task.train_file")
-        self.generator = None if pool is not None else TaskGenerator(
-            seed, task_cfg.min_ops, task_cfg.max_ops, task_cfg.tail_alpha, task_cfg.max_value, task_cfg.max_operand,
-            prefix=f"train{seed}", step_error_rate=step_error_rate,
+            raise TaskFileError(
+                "every training task is also in the held-out set: use a different task.train_file"
+            )
+        self.generator = (
+            None
+            if pool is not None
+            else TaskGenerator(
+                seed,
+                task_cfg.min_ops,
+                task_cfg.max_ops,
+                task_cfg.tail_alpha,
+                task_cfg.max_value,
+                task_cfg.max_operand,
+                prefix=f"train{seed}",
+                step_error_rate=step_error_rate,
+            )
         )
         self.rng = random.Random(seed)
         self.order: list[int] = []
@@ -203,7 +240,9 @@ class TaskStream:
                     self.position = 0
                 base = self.pool[self.order[self.position]]
                 self.position += 1
-                task = Task(f"{base.prompt_id}#{self.served}", base.question, base.answer, base.solution, base.meta)
+                task = Task(
+                    f"{base.prompt_id}#{self.served}", base.question, base.answer, base.solution, base.meta
+                )
             self.served += 1
             out.append(task)
         return out
@@ -211,7 +250,10 @@ class TaskStream:
     def state(self) -> dict:
         return {
             "generator": self.generator.state() if self.generator is not None else None,
-            "rng": self.rng.getstate(), "order": self.order, "position": self.position, "served": self.served,
+            "rng": self.rng.getstate(),
+            "order": self.order,
+            "position": self.position,
+            "served": self.served,
         }
 
     def set_state(self, state: dict) -> None:

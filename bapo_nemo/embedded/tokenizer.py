@@ -27,8 +27,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
-        model_max_length=4096, padding_side="left", clean_up_tokenization_spaces=False,
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        model_max_length=4096,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
     )
 
 

@@ -24,13 +24,23 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 rollout.partial.token_budget=16"
     )
     parser.add_argument("config", help="run config YAML (e.g. configs/local_cpu.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="override any config key (value parsed as YAML); unknown keys are an error")
-    parser.add_argument("--output-dir", default="runs/local_cpu",
-                        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/local_cpu)")
-    parser.add_argument("--resume", action="store_true",
-                        help="resume from the newest COMPLETE checkpoint in --output-dir if there is one, "
-                        "else start fresh (so a requeued job can always pass it)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="override any config key (value parsed as YAML); unknown keys are an error",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="runs/local_cpu",
+        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/local_cpu)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from the newest COMPLETE checkpoint in --output-dir if there is one, "
+        "else start fresh (so a requeued job can always pass it)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
@@ -60,13 +70,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}
-    print(json.dumps({
-        "step": summary["step"],
-        "stopped_by_signal": summary["stopped_by_signal"],
-        "heldout_avg_at_k_start": start.get("eval/avg_at_k"),
-        "heldout_avg_at_k_end": end.get("eval/avg_at_k"),
-        "heldout_pass_at_k_end": end.get("eval/pass_at_k"),
-        "mlflow_run_id": summary["mlflow_run_id"],
-        "output_dir": summary["output_dir"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "step": summary["step"],
+                "stopped_by_signal": summary["stopped_by_signal"],
+                "heldout_avg_at_k_start": start.get("eval/avg_at_k"),
+                "heldout_avg_at_k_end": end.get("eval/avg_at_k"),
+                "heldout_pass_at_k_end": end.get("eval/pass_at_k"),
+                "mlflow_run_id": summary["mlflow_run_id"],
+                "output_dir": summary["output_dir"],
+            },
+            indent=2,
+        )
+    )
     return 0

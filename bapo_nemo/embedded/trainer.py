@@ -33,7 +33,13 @@ from bapo_nemo.embedded.grpo import build_batch, forward_logprobs, policy_update
 from bapo_nemo.embedded.model import build_model
 from bapo_nemo.embedded.tasks import TaskGenerator, TaskStream, load_jsonl_tasks, reward
 from bapo_nemo.embedded.tokenizer import load_tokenizer
-from bapo_nemo.rollout import GenerationChunk, PartialRolloutManager, PromptItem, ReplayBuffer, split_minibatches
+from bapo_nemo.rollout import (
+    GenerationChunk,
+    PartialRolloutManager,
+    PromptItem,
+    ReplayBuffer,
+    split_minibatches,
+)
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.tags import config_hash, default_tags
 
@@ -61,9 +67,17 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     ckpt = _checkpoint_to_resume(output_dir, config_dict, resume)
     tokenizer = load_tokenizer()
     eval_tasks = (
-        load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction) if cfg.task.eval_file
-        else TaskGenerator(cfg.task.eval_seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha,
-                           cfg.task.max_value, cfg.task.max_operand, prefix="eval").sample(cfg.task.eval_size)
+        load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
+        if cfg.task.eval_file
+        else TaskGenerator(
+            cfg.task.eval_seed,
+            cfg.task.min_ops,
+            cfg.task.max_ops,
+            cfg.task.tail_alpha,
+            cfg.task.max_value,
+            cfg.task.max_operand,
+            prefix="eval",
+        ).sample(cfg.task.eval_size)
     )
     pool = load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
     held_out = {t.question for t in eval_tasks}
@@ -71,8 +85,12 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool, cfg.warmup.step_error_rate)
 
     model = build_model(cfg.model, tokenizer, cfg.seed).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+    )
     manager = PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size)
     replay = ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1)  # generation
@@ -81,8 +99,12 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
 
     if ckpt is not None:
         model = type(model).from_pretrained(str(ckpt / "model")).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr,
-                                      betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            weight_decay=cfg.optim.weight_decay,
+        )
         state = ckpt_io.load_trainer_state(ckpt)
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -98,8 +120,13 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
         run_id = _saved_run_id(output_dir) if resume else None
 
     tracking_uri = cfg.tracking.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
-    tracker = MlflowTracker(tracking_uri, cfg.tracking.experiment_name, cfg.tracking.run_name or output_dir.name,
-                            run_id=run_id, buffer_dir=output_dir / "mlflow_buffer")
+    tracker = MlflowTracker(
+        tracking_uri,
+        cfg.tracking.experiment_name,
+        cfg.tracking.run_name or output_dir.name,
+        run_id=run_id,
+        buffer_dir=output_dir / "mlflow_buffer",
+    )
     run_id = tracker.start(config_dict, {**default_tags(config_dict), "bapo.runtime": "embedded"})
     (output_dir / "mlflow_run_id").write_text(run_id + "\n")
     metrics_log = _MetricsLog(output_dir / "metrics.jsonl", keep_up_to=step if ckpt is not None else -1)
@@ -110,23 +137,50 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
 
     def save(at_step: int) -> Path:
         trainer_state = {
-            "step": at_step, "policy_version": version, "history": history, "optimizer": optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "sample": sample_gen.get_state(),
-                    "shuffle": shuffle_gen.get_state()},
+            "step": at_step,
+            "policy_version": version,
+            "history": history,
+            "optimizer": optimizer.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "sample": sample_gen.get_state(),
+                "shuffle": shuffle_gen.get_state(),
+            },
             "task_stream": stream.state(),
         }
         info = {
-            "step": at_step, "policy_version": version, "mlflow_run_id": run_id, "mlflow_tracking_uri": tracking_uri,
-            "config_hash": config_hash(config_dict), "bapo": cfg.loss.bapo.model_dump(mode="json"),
-            "model_name": MODEL_NAME, "last_eval": history["eval"][-1] if history["eval"] else None,
+            "step": at_step,
+            "policy_version": version,
+            "mlflow_run_id": run_id,
+            "mlflow_tracking_uri": tracking_uri,
+            "config_hash": config_hash(config_dict),
+            "bapo": cfg.loss.bapo.model_dump(mode="json"),
+            "model_name": MODEL_NAME,
+            "last_eval": history["eval"][-1] if history["eval"] else None,
         }
         rollout_state = {"manager": manager.state_dict(), "replay": replay.state_dict()}
-        return ckpt_io.save_checkpoint(output_dir, at_step, model, tokenizer, trainer_state, rollout_state,
-                                       config_dict, info, cfg.checkpoint.keep_last)
+        return ckpt_io.save_checkpoint(
+            output_dir,
+            at_step,
+            model,
+            tokenizer,
+            trainer_state,
+            rollout_state,
+            config_dict,
+            info,
+            cfg.checkpoint.keep_last,
+        )
 
     def run_eval(at_step: int) -> dict[str, float]:
-        result = evaluate(model, tokenizer, eval_tasks, cfg.eval.k, cfg.rollout.partial.max_response_tokens,
-                          seed=cfg.task.eval_seed, temperature=cfg.rollout.temperature)
+        result = evaluate(
+            model,
+            tokenizer,
+            eval_tasks,
+            cfg.eval.k,
+            cfg.rollout.partial.max_response_tokens,
+            seed=cfg.task.eval_seed,
+            temperature=cfg.rollout.temperature,
+        )
         history["eval"].append({"step": at_step, **result})
         return result
 
@@ -137,12 +191,17 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
             cached = warmup_io.load_cached(output_dir, key)
             if cached is not None:
                 model = type(model).from_pretrained(str(cached[0])).to(device)
-                optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1,
-                                              cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+                optimizer = torch.optim.AdamW(
+                    model.parameters(),
+                    lr=cfg.optim.lr,
+                    betas=(cfg.optim.beta1, cfg.optim.beta2),
+                    weight_decay=cfg.optim.weight_decay,
+                )
                 warm_metrics = cached[1]
             else:
-                warm_metrics = warmup_io.run_warmup(model, tokenizer, warmup_stream, cfg.warmup, device,
-                                                    cfg.runtime.progress)
+                warm_metrics = warmup_io.run_warmup(
+                    model, tokenizer, warmup_stream, cfg.warmup, device, cfg.runtime.progress
+                )
                 warmup_io.save_cache(output_dir, key, model, warm_metrics)
             history["warmup"] = warm_metrics
             start_eval = run_eval(0)
@@ -152,29 +211,47 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
 
         # ---- 3. RL steps --------------------------------------------------------------------------------
         def generate_fn(contexts: list[list[int]], max_new_tokens: int) -> list[GenerationChunk]:
-            outs = sample_continuations(model, contexts, max_new_tokens, tokenizer.eos_token_id,
-                                        tokenizer.pad_token_id, sample_gen, cfg.rollout.temperature)
+            outs = sample_continuations(
+                model,
+                contexts,
+                max_new_tokens,
+                tokenizer.eos_token_id,
+                tokenizer.pad_token_id,
+                sample_gen,
+                cfg.rollout.temperature,
+            )
             return [GenerationChunk(o.token_ids, o.logprobs, o.finished) for o in outs]
 
         in_flight_cap = cfg.rollout.partial.max_in_flight_groups or 2 * cfg.rollout.prompts_per_step
         bar = tqdm(total=cfg.train.max_steps, initial=step, desc="BAPO RL", disable=not cfg.runtime.progress)
         while step < cfg.train.max_steps and not stop.requested:
-            t_start = time.perf_counter()
+            t_start, cpu_start = time.perf_counter(), time.process_time()
             # rollouts: only complete groups leave the manager; unfinished responses stay in flight
             groups, generated = manager.take_completed(version, cfg.rollout.prompts_per_step), 0
             while len(groups) < cfg.rollout.prompts_per_step:
                 queued = manager.num_pending + manager.num_in_flight + manager.num_completed
                 if queued < in_flight_cap:
-                    manager.add_prompts([
-                        PromptItem(t.prompt_id, encode_prompt(tokenizer, t.question),
-                                   {"question": t.question, "answer": t.answer, **t.meta})
-                        for t in stream.next(in_flight_cap - queued)
-                    ])
-                groups += manager.run_iteration(generate_fn, version, cfg.rollout.prompts_per_step - len(groups))
+                    manager.add_prompts(
+                        [
+                            PromptItem(
+                                t.prompt_id,
+                                encode_prompt(tokenizer, t.question),
+                                {"question": t.question, "answer": t.answer, **t.meta},
+                            )
+                            for t in stream.next(in_flight_cap - queued)
+                        ]
+                    )
+                groups += manager.run_iteration(
+                    generate_fn, version, cfg.rollout.prompts_per_step - len(groups)
+                )
                 generated += manager.stats(version)["rollout/tokens_last_iteration"]
             rollout_stats = manager.stats(version)
             t_generated = time.perf_counter()
-            replayed = replay.sample(cfg.replay.groups_per_step, version, shuffle_gen) if cfg.replay.groups_per_step else []
+            replayed = (
+                replay.sample(cfg.replay.groups_per_step, version, shuffle_gen)
+                if cfg.replay.groups_per_step
+                else []
+            )
 
             # rewards and GRPO advantages (a response cut off without EOS scores 0)
             batch_groups = groups + replayed
@@ -197,45 +274,76 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
             for rows in split_minibatches(len(batch), n_updates, cfg.rollout.group_size, shuffle_gen):
                 mb = batch.select(rows)
                 width = mb.mask.shape[1]
-                per_update.append(policy_update(model, optimizer, mb, old[rows][:, :width], weights[rows][:, :width],
-                                                cfg.loss, cfg.train.micro_batch_size, cfg.optim.grad_clip))
+                per_update.append(
+                    policy_update(
+                        model,
+                        optimizer,
+                        mb,
+                        old[rows][:, :width],
+                        weights[rows][:, :width],
+                        cfg.loss,
+                        cfg.train.micro_batch_size,
+                        cfg.optim.grad_clip,
+                    )
+                )
                 version += 1
-            replay.add(groups, min((min(r.token_versions, default=version) for g in groups for r in g.rollouts),
-                                   default=version))
+            replay.add(
+                groups,
+                min(
+                    (min(r.token_versions, default=version) for g in groups for r in g.rollouts),
+                    default=version,
+                ),
+            )
             step += 1
-            t_end = time.perf_counter()
+            t_end, cpu_end = time.perf_counter(), time.process_time()
 
             # metrics
             fresh = [x for rs in rewards[: len(groups)] for x in rs]
             lengths = [len(r.response_token_ids) for g in groups for r in g.rollouts]
             metrics = {key: sum(u[key] for u in per_update) / len(per_update) for key in per_update[0]}
-            metrics.update({
-                "reward/mean": sum(fresh) / len(fresh),
-                "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
-                "train/response_length_mean": sum(lengths) / len(lengths),
-                "train/response_length_max": float(max(lengths)),
-                "train/token_staleness_mean": float(staleness),
-                "train/replayed_groups": float(len(replayed)),
-                "train/policy_version": float(version),
-                "perf/generated_tokens": float(generated),
-                "perf/generation_tokens_per_s": generated / max(t_generated - t_start, 1e-9),
-                "perf/tokens_per_s": generated / max(t_end - t_start, 1e-9),
-                "perf/step_time_s": t_end - t_start,
-                **{k: v for k, v in rollout_stats.items() if not k.startswith("rollout/segments_hist")},
-            })
+            metrics.update(
+                {
+                    "reward/mean": sum(fresh) / len(fresh),
+                    "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
+                    "train/response_length_mean": sum(lengths) / len(lengths),
+                    "train/response_length_max": float(max(lengths)),
+                    "train/token_staleness_mean": float(staleness),
+                    "train/replayed_groups": float(len(replayed)),
+                    "train/policy_version": float(version),
+                    "perf/generated_tokens": float(generated),
+                    "perf/generation_tokens_per_s": generated / max(t_generated - t_start, 1e-9),
+                    "perf/tokens_per_s": generated / max(t_end - t_start, 1e-9),
+                    "perf/step_time_s": t_end - t_start,
+                    "perf/step_cpu_s": cpu_end - cpu_start,  # = wall time alone on the machine (1 thread)
+                    **{k: v for k, v in rollout_stats.items() if not k.startswith("rollout/segments_hist")},
+                }
+            )
             if step % cfg.eval.every == 0 or step == cfg.train.max_steps:
                 metrics.update(run_eval(step))
             tracker.log_metrics(_finite(metrics), step=step)
             metrics_log.write({"step": step, **metrics})
-            groups_log.write({"step": step, "groups": [
-                {"prompt_id": g.prompt_id, "segments": [r.num_segments for r in g.rollouts]} for g in groups],
-                "replayed": [g.prompt_id for g in replayed]})
+            groups_log.write(
+                {
+                    "step": step,
+                    "groups": [
+                        {"prompt_id": g.prompt_id, "segments": [r.num_segments for r in g.rollouts]}
+                        for g in groups
+                    ],
+                    "replayed": [g.prompt_id for g in replayed],
+                }
+            )
             if step % cfg.tracking.samples_every == 0:
-                tracker.log_table(_sample_rows(tokenizer, groups, rewards, step, cfg.tracking.num_samples),
-                                  f"samples/step_{step:06d}.json")
+                tracker.log_table(
+                    _sample_rows(tokenizer, groups, rewards, step, cfg.tracking.num_samples),
+                    f"samples/step_{step:06d}.json",
+                )
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{history['eval'][-1]['eval/avg_at_k']:.2f}",
-                            c_low=f"{metrics.get('bapo/c_low', 0):.2f}", c_high=f"{metrics.get('bapo/c_high', 0):.2f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.2f}",
+                acc=f"{history['eval'][-1]['eval/avg_at_k']:.2f}",
+                c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
+                c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
+            )
             if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps or stop.requested:
                 save(step)
         bar.close()
@@ -243,10 +351,16 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     # ---- 4. finish: HF save (only when the run is done; a stopped run resumes later) ----------------------
     start_eval = next((e for e in history["eval"] if e["step"] == 0), None)
     summary = {
-        "step": step, "max_steps": cfg.train.max_steps, "policy_version": version,
-        "stopped_by_signal": stop.signal_name, "mlflow_run_id": run_id, "mlflow_tracking_uri": tracking_uri,
-        "output_dir": str(output_dir), "warmup": history["warmup"],
-        "eval_start": start_eval, "eval_end": history["eval"][-1] if history["eval"] else None,
+        "step": step,
+        "max_steps": cfg.train.max_steps,
+        "policy_version": version,
+        "stopped_by_signal": stop.signal_name,
+        "mlflow_run_id": run_id,
+        "mlflow_tracking_uri": tracking_uri,
+        "output_dir": str(output_dir),
+        "warmup": history["warmup"],
+        "eval_start": start_eval,
+        "eval_end": history["eval"][-1] if history["eval"] else None,
         "eval_history": history["eval"],
     }
     if stop.requested:
@@ -303,9 +417,17 @@ def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
     rows = []
     for g, rs in zip(groups, rewards):
         r = g.rollouts[0]
-        rows.append({"step": step, "prompt": r.meta["question"], "answer": r.meta["answer"],
-                     "response": decode_response(tokenizer, r.response_token_ids), "reward": rs[0],
-                     "num_segments": r.num_segments, "length": len(r.response_token_ids)})
+        rows.append(
+            {
+                "step": step,
+                "prompt": r.meta["question"],
+                "answer": r.meta["answer"],
+                "response": decode_response(tokenizer, r.response_token_ids),
+                "reward": rs[0],
+                "num_segments": r.num_segments,
+                "length": len(r.response_token_ids),
+            }
+        )
         if len(rows) >= n:
             break
     return rows

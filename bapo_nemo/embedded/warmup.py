@@ -25,7 +25,9 @@ def sft_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                 "(add them to the JSONL rows, or set warmup.steps=0)"
             )
         prompt = encode_prompt(tokenizer, t.question)
-        rows.append(prompt + tokenizer.encode(t.solution, add_special_tokens=False) + [tokenizer.eos_token_id])
+        rows.append(
+            prompt + tokenizer.encode(t.solution, add_special_tokens=False) + [tokenizer.eos_token_id]
+        )
         prompt_lens.append(len(prompt))
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -38,8 +40,9 @@ def sft_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, attention, target
 
 
-def run_warmup(model, tokenizer, stream: TaskStream, cfg, device, progress: bool = True,
-               should_stop=lambda: False) -> dict[str, float]:
+def run_warmup(
+    model, tokenizer, stream: TaskStream, cfg, device, progress: bool = True, should_stop=lambda: False
+) -> dict[str, float]:
     """`cfg.steps` AdamW steps, linear learning-rate decay to 10%. Returns the final metrics."""
     if cfg.steps == 0:
         return {"warmup/loss": float("nan"), "warmup/steps": 0.0}
