@@ -163,7 +163,8 @@ def test_register_model_links_version_to_the_training_run(tmp_path):
 def test_register_without_run_id_is_a_clear_error(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "run", step=1, run_id=None, uri=f"sqlite:///{tmp_path}/m.db")
     assert cli_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--register-model", "m"]) == 2
-    assert "no MLflow run id recorded" in capsys.readouterr().err
+    assert "records no MLflow run id" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()  # refused before exporting
 
 
 @pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,

@@ -8,6 +8,7 @@ container). Every export ends with a parity check and prints the max |difference
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main(args: argparse.Namespace) -> int:
             prompts = [line for line in args.parity_prompts.read_text().splitlines() if line.strip()]
             if not prompts:
                 raise ExportError(f"--parity-prompts {args.parity_prompts} holds no prompts")
+        if args.register_model and ref.kind == "embedded":  # fail before the work, not after it
+            _check_registrable(ref.path, args.tracking_uri)
         print(f"exporting {ref.kind} checkpoint {ref.path} -> {args.out}")
         if ref.kind == "nemo_rl":
             if args.fp8:
@@ -68,6 +71,16 @@ def main(args: argparse.Namespace) -> int:
     except (ExportError, ValueError, FileNotFoundError) as exc:
         print(f"bapo-nemo export: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_registrable(step_dir: Path, tracking_uri: str | None) -> None:
+    info_file = step_dir / "training_info.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    if not info.get("mlflow_run_id"):
+        raise ExportError(f"{info_file} records no MLflow run id, so the export cannot be attached to its run "
+                          "for --register-model; export without it, or export a tracked checkpoint")
+    if not (tracking_uri or info.get("mlflow_tracking_uri")):
+        raise ExportError(f"{info_file} records no mlflow_tracking_uri: pass --tracking-uri")
 
 
 def _checkpoint_tracking_uri(step_dir: Path) -> str:
