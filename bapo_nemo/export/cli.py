@@ -84,8 +84,6 @@ def _check_registrable(step_dir: Path, tracking_uri: str | None) -> None:
 
 
 def _checkpoint_tracking_uri(step_dir: Path) -> str:
-    import json
-
     info_file = step_dir / "training_info.json"
     uri = json.loads(info_file.read_text()).get("mlflow_tracking_uri") if info_file.is_file() else None
     if not uri:
