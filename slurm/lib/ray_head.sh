@@ -37,6 +37,8 @@ ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
 print(sum(1 for node in ray.nodes() if node["Alive"]))
 EOF
 )
+  alive=${alive##*$'\n'}
+  [[ "$alive" =~ ^[0-9]+$ ]] || alive=0
   log "Ray nodes alive: $alive/$NUM_NODES"
   [[ "$alive" -ge "$NUM_NODES" ]] && break
   ((SECONDS > deadline)) && die "only $alive/$NUM_NODES nodes joined the Ray cluster in ${RAY_JOIN_TIMEOUT}s; see ray-worker-*.log in $ATTEMPT_DIR"
