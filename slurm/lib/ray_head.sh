@@ -3,7 +3,7 @@
 # Starts the Ray head, waits until every node of the job has joined, then runs the driver (through
 # run_driver.sh, which relays stop requests) and exits with the driver's exit code.
 #
-# Environment (set by bapo_32b.sbatch): BAPO_REPO ATTEMPT_DIR HEAD_IP RAY_PORT RAY_CLIENT_PORT
+# Environment (set by bapo_32b.sbatch): BAPO_REPO BAPO_CODE_DIR ATTEMPT_DIR HEAD_IP RAY_PORT RAY_CLIENT_PORT
 # RAY_DASHBOARD_PORT RAY_MIN_WORKER_PORT RAY_MAX_WORKER_PORT GPUS_PER_NODE NUM_NODES RAY_JOIN_TIMEOUT
 # STOP_FILE DRIVER_STOP_SIGNAL DRIVER_COMMAND_FILE
 set -uo pipefail
@@ -11,6 +11,9 @@ set -uo pipefail
 source "$BAPO_REPO/slurm/lib/common.sh"
 
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
+# bapo_nemo from the mounted checkout (or the image's copy), ahead of the image's PYTHONPATH; Ray hands
+# this environment to every actor venv.
+export PYTHONPATH="${BAPO_CODE_DIR:-$BAPO_REPO}${PYTHONPATH:+:$PYTHONPATH}"
 
 log "Ray head on $(hostname) ($HEAD_IP:$RAY_PORT), waiting for $NUM_NODES node(s)"
 ray stop --force >/dev/null 2>&1 || true

@@ -3,13 +3,16 @@
 # Ray dies on this node the task exits, the worker step ends, and the batch script's watchdog fails the
 # whole job at once instead of leaving the driver hanging on a lost node.
 #
-# Environment (set by bapo_32b.sbatch): BAPO_REPO ATTEMPT_DIR HEAD_IP RAY_PORT RAY_MIN_WORKER_PORT
+# Environment (set by bapo_32b.sbatch): BAPO_REPO BAPO_CODE_DIR ATTEMPT_DIR HEAD_IP RAY_PORT RAY_MIN_WORKER_PORT
 # RAY_MAX_WORKER_PORT GPUS_PER_NODE RAY_JOIN_TIMEOUT
 set -uo pipefail
 # shellcheck source=slurm/lib/common.sh
 source "$BAPO_REPO/slurm/lib/common.sh"
 
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
+# bapo_nemo from the mounted checkout (or the image's copy), ahead of the image's PYTHONPATH; Ray hands
+# this environment to every actor venv.
+export PYTHONPATH="${BAPO_CODE_DIR:-$BAPO_REPO}${PYTHONPATH:+:$PYTHONPATH}"
 
 deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
 until [[ -e "$ATTEMPT_DIR/RAY_HEAD_READY" ]]; do
