@@ -159,3 +159,15 @@ def test_master_config_validates():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_driver_without_nemo_rl_says_where_to_run(monkeypatch):
+    """Outside the container the driver stops with the fix, not a traceback. nemo_rl is hidden for the
+    test (a None entry in sys.modules makes its import fail) so it behaves the same everywhere."""
+    from bapo_nemo.nemo.driver import main
+
+    monkeypatch.setitem(sys.modules, "nemo_rl", None)
+    monkeypatch.setitem(sys.modules, "nemo_rl.algorithms", None)
+    monkeypatch.setitem(sys.modules, "nemo_rl.algorithms.grpo", None)
+    with pytest.raises(SystemExit, match=r"nvcr.io/nvidia/nemo-rl:v0.7.0"):
+        main(["--config", str(CONFIGS / "bapo_7b.yaml")])

@@ -88,7 +88,14 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+    args, overrides = parse_args(argv)  # --help works without NeMo-RL
+    try:
+        from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+    except ImportError as exc:
+        raise SystemExit(
+            f"NeMo-RL v0.7.0 is not importable ({exc}): run inside nvcr.io/nvidia/nemo-rl:v0.7.0 with this "
+            "checkout on PYTHONPATH (see docs/nemo_rl.md); on one machine without GPUs use `bapo-nemo train`"
+        ) from None
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
     from nemo_rl.distributed.virtual_cluster import init_ray
@@ -100,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
     register_omegaconf_resolvers()
-    args, overrides = parse_args(argv)
     config = load_config(args.config)
     if overrides:
         config = parse_hydra_overrides(config, overrides)
