@@ -182,12 +182,15 @@ def test_outage_buffers_and_replays_every_metric_exactly_once(server, tmp_path):
     (tmp_path / "plot.txt").write_text("curve")
     tracker.log_artifact(tmp_path / "plot.txt")
     (tmp_path / "plot.txt").unlink()  # the staged copy must survive the caller deleting its file
-    assert tracker.flush() == 5  # 4 metric records + 1 artifact, still down
+    tracker.finish("KILLED")  # e.g. the trainer's SIGTERM handler, while the server is still down
+    assert tracker.flush() == 6  # 4 metric records + 1 artifact + the status, still down
     del tracker  # the trainer process dies during the outage
 
     server.start()
     resumed = MlflowTracker(server.uri, "bapo-outage", run_id=run_id, buffer_dir=buf)
     assert resumed.start({"lr": 1e-5, "new_setting": 3}, {"phase": "after"}) == run_id
+    # the undelivered KILLED status of the dead process is superseded by the resumed run
+    assert MlflowClient(server.uri).get_run(run_id).info.status == "RUNNING"
     for step in range(8, 12):
         resumed.log_metrics({"loss": float(step), "grad_norm": 10.0 + step}, step=step)
     assert resumed.flush() == 0

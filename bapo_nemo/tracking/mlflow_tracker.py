@@ -146,6 +146,8 @@ class MlflowTracker:
             self._load_journal()
             self._log_resolved_config(params)
         else:
+            # A status an earlier process journaled but never delivered is superseded: this run goes on.
+            self._pending = [r for r in self._pending if r["kind"] != "terminate"]
             if self._resume_run():
                 safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             flat_params = self._params_not_yet_logged(flat_params)
