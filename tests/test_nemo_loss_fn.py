@@ -217,3 +217,12 @@ def test_driver_builds_the_loss_from_master_config_sections():
         micro, make_loss_fn(SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={}))), mc
     )
     assert not isinstance(micro.train, StepBoundsTrainer)
+
+
+def test_step_granularity_without_driver_bounds_is_refused():
+    from bapo_nemo.nemo.loss import BAPOLossFn
+
+    data, curr, seqs, toks = _batch(5)
+    fn = BAPOLossFn(_loss_cfg(bapo={"granularity": "step"}))
+    with pytest.raises(ValueError, match="StepBoundsTrainer"):
+        fn(curr.detach(), data, seqs, toks)

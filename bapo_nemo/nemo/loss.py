@@ -114,8 +114,14 @@ class BAPOLossFn(ClippedPGLossFn):
                 self.truncated_importance_sampling_ratio,
                 self.truncated_importance_sampling_ratio_min,
             )
-        if all(k in data for k in STEP_BOUNDS_KEYS):
-            # granularity "step": bounds chosen on the driver for the whole optimizer step.
+        if self.options.bapo.granularity == "step":
+            # Bounds chosen on the driver for the whole optimizer step (StepBoundsTrainer).
+            if not all(k in data for k in STEP_BOUNDS_KEYS):
+                raise ValueError(
+                    "loss_fn.bapo.granularity=step: this batch carries no step bounds. They are attached by "
+                    "bapo_nemo.nemo.step_bounds.StepBoundsTrainer around policy.train (python -m "
+                    "bapo_nemo.train installs it); or set loss_fn.bapo.granularity=microbatch"
+                )
             from bapo_nemo.nemo.step_bounds import bounds_from_data
 
             result = bounds_from_data(data)

@@ -149,7 +149,8 @@ class StepBoundsTrainer:
         check_dim_skip_keys=None,
     ):
         kwargs = {"mbs": mbs, "timer": timer, "check_dim_skip_keys": check_dim_skip_keys}
-        if eval_mode:
+        if eval_mode:  # no update: one set of bounds for the whole batch, at the current weights
+            attach_bounds(data, search_step_bounds(data, data["prev_logprobs"], self.options, self.loss_cfg))
             return self.train_fn(data, loss_fn, eval_mode=True, gbs=gbs, **kwargs)
         gbs = int(gbs or self.global_batch_size)
         num_steps = max(1, data.size // gbs)
