@@ -247,3 +247,17 @@ def test_partial_rollout_block_is_checked():
         _args(CONFIGS / "bapo_32b.yaml", 8, 8, "++partial_rollouts.token_budget=4096")
     )
     assert "partial_rollouts" not in _errors(findings)
+
+
+@pytest.mark.parametrize("name", ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml"])
+def test_every_key_of_the_shipped_configs_is_a_v070_key(name):
+    """The key check of `bapo-nemo check` (v0.7.0's key list) finds nothing unknown in our configs, and
+    does find a misspelt key added to them."""
+    from bapo_nemo.plan.schema import unknown_keys
+
+    config = load_nemo_config(CONFIGS / name)
+    assert unknown_keys(config) == []
+    config["policy"]["sequence_packing"]["fuse_losss"] = True
+    [unknown] = unknown_keys(config)
+    assert unknown.path == "policy.sequence_packing.fuse_losss"
+    assert unknown.suggestion == "policy.sequence_packing.fuse_loss"
