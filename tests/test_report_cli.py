@@ -112,3 +112,12 @@ def test_missing_database_and_dead_server_are_clear_errors(tmp_path, capsys):
         port = s.getsockname()[1]
     assert cli_main(["report", "--experiment", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == 2
     assert f"cannot read the MLflow store at http://127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_single_run_plot_is_logged_under_plots(store, tmp_path):
+    from bapo_nemo.tracking.report import log_run_plot
+
+    png = log_run_plot(store["uri"], store["embedded"], tmp_path)
+    assert matplotlib.image.imread(png).shape[1] > 1000
+    paths = {a.path for a in MlflowClient(store["uri"]).list_artifacts(store["embedded"], "plots")}
+    assert paths == {"plots/training_dynamics.png"}

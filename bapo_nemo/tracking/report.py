@@ -260,3 +260,18 @@ def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None
             client.log_artifact(run.run_id, str(png), "report")
             client.log_artifact(run.run_id, str(page), "report")
     return ReportResult(png, page, data)
+
+
+def log_run_plot(tracking_uri: str, run_id: str, out_dir: str | Path) -> Path:
+    """The training-dynamics panels of one run, saved to ``out_dir`` and logged to the run as
+    ``plots/training_dynamics.png`` (for a trainer to call when it finishes)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    data = load_run(client, client.get_run(run_id))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / "training_dynamics.png"
+    plot_panels([data], png)
+    client.log_artifact(run_id, str(png), "plots")
+    return png
