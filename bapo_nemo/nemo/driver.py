@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         grpo_train(
             policy,
             policy_generation,
-            dataloader,
+            # Partial rollouts need more prompt groups in flight than one step trains on.
+            partial_hook.wrap_dataloader(dataloader) if partial_hook is not None else dataloader,
             val_dataloader,
             tokenizer,
             loss_fn,
