@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_ours(args, partial: bool) -> dict:
+def run_ours(args, partial: bool, granularity: str = "step") -> dict:
     overrides = [
         "warmup.steps=0",
         f"train.max_steps={args.steps + 1}",
@@ -48,6 +48,7 @@ def run_ours(args, partial: bool) -> dict:
         "task.eval_size=4",
         "runtime.progress=false",
         f"checkpoint.every={10 * args.steps}",
+        f"loss.bapo.granularity={granularity}",
         f"optim.lr={args.lr}",
         f"runtime.num_threads={args.threads}",
     ]
@@ -169,7 +170,14 @@ def main() -> None:
     ours_full = run_ours(args, partial=False)
     print("embedded trainer, partial rollouts on ...")
     ours = run_ours(args, partial=True)
-    rows = {"trl_grpo": trl, "ours_no_partial": ours_full, "ours_partial": ours}
+    print("embedded trainer, partial rollouts off, one bound search per micro-batch (no extra forward) ...")
+    ours_micro = run_ours(args, partial=False, granularity="microbatch")
+    rows = {
+        "trl_grpo": trl,
+        "ours_no_partial": ours_full,
+        "ours_partial": ours,
+        "ours_no_partial_microbatch": ours_micro,
+    }
     for name, r in rows.items():
         print(
             f"  {name:16s} {r['tokens_per_s']:8.0f} tokens per CPU-second ({r['tokens']:.0f} tokens, "
@@ -178,7 +186,11 @@ def main() -> None:
         )
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     ratio_full = ours_full["tokens_per_s"] / trl["tokens_per_s"]
-    print(f"\nours / TRL: {ratio:.2f}x with partial rollouts, {ratio_full:.2f}x without")
+    ratio_micro = ours_micro["tokens_per_s"] / trl["tokens_per_s"]
+    print(
+        f"\nours / TRL: {ratio:.2f}x with partial rollouts, {ratio_full:.2f}x without, "
+        f"{ratio_micro:.2f}x without and with micro-batch bound search"
+    )
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {
@@ -193,12 +205,17 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = ["TRL GRPOTrainer", "ours (no partial)", "ours (partial)"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [
+        "TRL\nGRPOTrainer",
+        "ours\n(no partial)",
+        "ours\n(partial)",
+        "ours (no partial,\nmicro-batch search)",
+    ]
     ax.bar(
         names,
-        [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"]],
-        color=["tab:gray", "tab:cyan", "tab:blue"],
+        [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"], ours_micro["tokens_per_s"]],
+        color=["tab:gray", "tab:cyan", "tab:blue", "tab:green"],
     )
     ax.set_ylabel("generated tokens / CPU-second (RL steps)")
     ax.set_title(f"end-to-end RL on CPU: ours {ratio:.2f}x TRL")

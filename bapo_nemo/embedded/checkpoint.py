@@ -58,6 +58,19 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def save_model(model, path: str | Path) -> None:
+    """HF `save_pretrained` without its per-save progress bar (one per checkpoint clutters the logs)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(path), safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
@@ -76,7 +89,7 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+    save_model(model, tmp / "model")
     tokenizer.save_pretrained(str(tmp / "tokenizer"))
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))

@@ -369,7 +369,7 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
         return summary
     if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
         final = output_dir / "hf_final"
-        model.save_pretrained(str(final), safe_serialization=True)
+        ckpt_io.save_model(model, final)
         tokenizer.save_pretrained(str(final))
         (final / "COMPLETE").write_text(f"step {step}\n")
     summary["hf_final"] = str(output_dir / "hf_final")

@@ -86,6 +86,8 @@ def load_cached(output_dir: Path, key: dict):
 def save_cache(output_dir: Path, key: dict, model, metrics: dict) -> None:
     cache = output_dir / CACHE_DIR
     cache.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(cache / "model"), safe_serialization=True)
+    from bapo_nemo.embedded.checkpoint import save_model
+
+    save_model(model, cache / "model")
     # info.json last: its presence marks a usable cache.
     (cache / "info.json").write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))
