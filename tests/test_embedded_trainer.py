@@ -239,3 +239,38 @@ def test_rl_raises_held_out_accuracy(tmp_path):
     start, end = summary["eval_start"]["eval/avg_at_k"], summary["eval_end"]["eval/avg_at_k"]
     assert summary["step"] == 20
     assert end >= start + 0.03, (start, end, summary["eval_history"])
+
+
+def test_replay_proximal_reference_stale_downweight_and_jsonl_tasks(tmp_path):
+    """The other loss/rollout modes run end to end: replayed groups join the batch, the ratio is taken
+    against recomputed proximal log-probs, stale segments are down-weighted, the bound search runs per
+    micro-batch, and tasks come from JSONL files."""
+    from bapo_nemo.embedded.tasks import TaskGenerator
+
+    train_rows = [
+        {"question": t.question, "answer": t.answer, "solution": t.solution}
+        for t in TaskGenerator(seed=11, max_ops=3).sample(64)
+    ]
+    eval_rows = [{"question": "9-4+2?", "answer": "7"}, {"question": "3+3?", "answer": 6}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in train_rows) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in eval_rows) + "\n")
+    data = json.loads(json.dumps(TINY))
+    data["task"].update(train_file=str(tmp_path / "train.jsonl"), eval_file=str(tmp_path / "eval.jsonl"))
+    data["rollout"]["partial"].update(stale_segments="downweight", stale_weight_decay=0.5)
+    data["replay"] = {"groups_per_step": 2, "capacity": 16, "max_staleness": 8}
+    data["loss"] = {"ratio_reference": "proximal", "bapo": {"granularity": "microbatch"}}
+    data["train"].update(max_steps=4)
+    summary = train(load_config(_write_config(tmp_path, data)), tmp_path / "run")
+    assert summary["step"] == 4
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["step"] >= 1]
+    assert rl[0]["train/replayed_groups"] == 0  # nothing to replay before the first step's groups
+    assert all(r["train/replayed_groups"] == 2 for r in rl[1:])
+    assert all(0.0 < r["rollout/loss_weight_mean"] <= 1.0 for r in rl)
+    assert any(r["rollout/loss_weight_mean"] < 1.0 for r in rl)  # some stale tokens were down-weighted
+    trained = {
+        g["prompt_id"].split("#")[0]
+        for line in (tmp_path / "run" / "trained_groups.jsonl").read_text().splitlines()
+        for g in json.loads(line)["groups"]
+    }
+    assert trained and all(p.startswith("train-") for p in trained)  # ids from the JSONL file name and line
