@@ -100,3 +100,18 @@ def test_continuation_equals_one_uninterrupted_sample():
     )[0]
     ref_mixed = _full_forward_logprobs(model, prompt + first.token_ids, mixed.token_ids)
     torch.testing.assert_close(torch.tensor(mixed.logprobs), ref_mixed, atol=1e-4, rtol=0)
+
+
+def test_bundled_tokenizer_is_what_its_generator_writes(tmp_path):
+    import json
+
+    from bapo_nemo.embedded.tokenizer import TOKENIZER_DIR, build_tokenizer, save_tokenizer
+
+    save_tokenizer(build_tokenizer(), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((TOKENIZER_DIR / name).read_text()), (
+            name
+        )
+    text = "12+3=15;15-7=8;#8"
+    ids = TOK.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text) and TOK.decode(ids) == text  # one token per character, lossless

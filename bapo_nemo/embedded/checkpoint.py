@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import yaml
 
+from bapo_nemo.embedded.tokenizer import save_tokenizer
+
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -90,7 +92,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, tmp / "model")
-    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    save_tokenizer(tokenizer, tmp / "tokenizer")
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))
     (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))

@@ -6,6 +6,7 @@ them: `python -m bapo_nemo.embedded.tokenizer`) and committed, so a run never do
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -38,6 +39,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    """`save_pretrained`, naming the class `PreTrainedTokenizerFast`: transformers 5 writes its new name
+    (`TokenizersBackend`), which transformers 4 cannot load; the old name loads in both."""
+    tokenizer.save_pretrained(str(path))
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def load_tokenizer(path: str | Path = TOKENIZER_DIR) -> PreTrainedTokenizerFast:
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
@@ -49,7 +60,7 @@ def load_tokenizer(path: str | Path = TOKENIZER_DIR) -> PreTrainedTokenizerFast:
 
 def main() -> None:
     tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(TOKENIZER_DIR))
+    save_tokenizer(tokenizer, TOKENIZER_DIR)
     print(f"wrote {len(tokenizer)} tokens to {TOKENIZER_DIR}")
 
 

@@ -32,7 +32,7 @@ from bapo_nemo.embedded.generation import sample_continuations
 from bapo_nemo.embedded.grpo import build_batch, forward_logprobs, policy_update
 from bapo_nemo.embedded.model import build_model
 from bapo_nemo.embedded.tasks import TaskGenerator, TaskStream, load_jsonl_tasks, reward
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.tokenizer import load_tokenizer, save_tokenizer
 from bapo_nemo.rollout import (
     GenerationChunk,
     PartialRolloutManager,
@@ -370,7 +370,7 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
         final = output_dir / "hf_final"
         ckpt_io.save_model(model, final)
-        tokenizer.save_pretrained(str(final))
+        save_tokenizer(tokenizer, final)
         (final / "COMPLETE").write_text(f"step {step}\n")
     summary["hf_final"] = str(output_dir / "hf_final")
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
