@@ -185,7 +185,12 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
 
     started = time.time()
     launcher = Launcher()
-    previous = {sig: signal.signal(sig, lambda *_: launcher.stop_all()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum, _frame) -> None:
+        print(f"\n{signal.Signals(signum).name} received: stopping the running trainers (they checkpoint); rerun "
+              "the same command to continue", file=sys.stderr, flush=True)
+        launcher.stop_all()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     bar = tqdm(total=len(specs), initial=counts["skipped"], desc=f"{'+'.join(studies)} ({mode})", unit="run",
                disable=not progress, dynamic_ncols=True)
     running: set[str] = set()

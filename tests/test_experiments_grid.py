@@ -72,15 +72,20 @@ def test_partial_and_ablation_grids():
 
     measure = {(r.display_cell.name, r.seed): r for r in expand("measure", "full")}
     assert measure[("measure=value", 0)].overrides["loss.bapo.measure"] == "value"
-    # the default arm (gradient, paper order, rho0 0.4) is BAPO at 4 updates of the staleness study
+    # rho0's default arm (0.4) is BAPO at 4 updates of the staleness study; measure and order run at
+    # rho0 = 0.5 and their default arm (gradient, paper order) is the rho0 study's 0.5 cell
     staleness_bapo4 = {r.seed: r for r in expand("staleness", "full") if r.cell.name == "updates=4/method=bapo"}
-    for study, arm in (("measure", "measure=gradient"), ("order", "order=paper"), ("rho0", "rho0=0.4")):
+    rho05 = {r.seed: r for r in expand("rho0", "full") if r.cell.name == "rho0=0.5"}
+    for study, arm, home, runs in (("measure", "measure=gradient", "rho0", rho05), ("order", "order=paper", "rho0", rho05),
+                                   ("rho0", "rho0=0.4", "staleness", staleness_bapo4)):
         for r in expand(study, "full"):
             if r.display_cell.name == arm:
-                assert r.study == "staleness" and r.run_name == staleness_bapo4[r.seed].run_name
-                assert r.overrides == staleness_bapo4[r.seed].overrides
+                assert r.study == home and r.run_name == runs[r.seed].run_name
+                assert r.overrides == runs[r.seed].overrides
             else:
                 assert r.study == study and r.shown_as is None
+                if study != "rho0":
+                    assert r.overrides["loss.bapo.rho0"] == 0.5
     rho0 = {r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss.bapo.rho0
             for r in expand("rho0", "full")}
     assert rho0 == {"rho0=0.3": 0.3, "rho0=0.4": 0.4, "rho0=0.5": 0.5}
