@@ -363,17 +363,22 @@ def wait_until(predicate, timeout: float, what: str, sub: Submission | None = No
 
 
 def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
-    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it now to keep the test short."""
-    wait_until(
-        lambda: (
-            slurm.job(sub.job_id).get("Restarts") == str(restarts)
-            and slurm.job(sub.job_id).get("JobState") == "PENDING"
-        ),
-        120,
-        f"job {sub.job_id} requeued (Restarts={restarts})",
-        sub,
-    )
-    slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"])
+    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it now to keep the test short.
+
+    The hold is (re)set when the previous attempt has finished completing, which can be after the job
+    already shows PENDING, so the release is repeated until the next attempt is running."""
+
+    def next_attempt_running() -> bool:
+        info = slurm.job(sub.job_id)
+        if info.get("Restarts") != str(restarts):
+            return False
+        if info.get("JobState") == "RUNNING":
+            return True
+        if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+            slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=False)
+        return False
+
+    wait_until(next_attempt_running, 180, f"attempt {restarts} of job {sub.job_id} running", sub, period=1)
 
 
 def driver_summary(sub: Submission, attempt: int) -> dict:
@@ -456,7 +461,6 @@ def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, 
     assert "requeueing job" in sub.out_file.read_text()
 
     # Attempt 1: resumed past attempt 0's step; requeue it from outside once it has checkpointed again.
-    wait_until(lambda: slurm.job(sub.job_id).get("JobState") == "RUNNING", 120, "attempt 1 running", sub)
     wait_until(lambda: (sub.latest_step() or 0) > stop_0["step"], 240, "a checkpoint in attempt 1", sub)
     slurm.run(["scontrol", "requeue", sub.job_id])
     release_requeued(slurm, sub, restarts=2)
