@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[argv[0]][0])
         parser = argparse.ArgumentParser(prog=f"bapo-nemo {argv[0]}", description=COMMANDS[argv[0]][1])
         module.configure_parser(parser)
-        return int(module.main(parser.parse_args(argv[1:])) or 0)
+        # intermixed: `train CONFIG --resume key=value` puts positional overrides after options.
+        return int(module.main(parser.parse_intermixed_args(argv[1:])) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)

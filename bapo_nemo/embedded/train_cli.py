@@ -44,9 +44,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
-    # Overrides may come after options (`train cfg.yaml --resume a.b=1`): plain parse_args stops
-    # collecting positionals at the first option, the intermixed parser does not.
-    parser.parse_args = parser.parse_intermixed_args
 
 
 def main(args: argparse.Namespace) -> int:
