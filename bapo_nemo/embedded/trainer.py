@@ -375,11 +375,25 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     summary["hf_final"] = str(output_dir / "hf_final")
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     tracker.log_artifact(output_dir / "summary.json")
+    _log_training_plot(tracker, tracking_uri, run_id, output_dir / "plots")
     tracker.finish("FINISHED")
     return summary
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
+def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> None:
+    """The run's training-dynamics panels as a PNG artifact; a tracking outage only loses the plot."""
+    from bapo_nemo.tracking.report import log_run_plot
+
+    if tracker.flush():
+        print("tracking server unreachable: metrics stay journaled; no training plot this time")
+        return
+    try:
+        log_run_plot(tracking_uri, run_id, out_dir)
+    except Exception as exc:  # the plot is a convenience; never fail a finished run for it
+        print(f"could not log the training plot ({type(exc).__name__}: {exc})")
+
+
 def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> Path | None:
     latest = ckpt_io.latest_checkpoint(output_dir)
     if latest is None:
