@@ -145,6 +145,19 @@ def test_run_driver_with_signal_none_lets_the_driver_finish_and_keeps_its_exit_c
     assert "driver exited with code 3" in out
 
 
+def test_run_driver_relays_nothing_after_a_sigterm(tmp_path):
+    """Slurm's SIGTERM (scancel, requeue) reaches every step process, the driver included: the wrapper
+    waits for the driver and does not send it a second stop signal."""
+    proc, marker, stop_file = run_driver(tmp_path, "USR1", seconds=3, exit_code=3)
+    proc.terminate()  # to the wrapper only, here
+    time.sleep(1.5)
+    stop_file.touch()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3, out  # the driver ran to its end: not killed, not signalled
+    assert marker.read_text() == "started"
+    assert "got SIGTERM" in out and "sending SIGUSR1" not in out
+
+
 def test_run_driver_rejects_a_malformed_command_line():
     result = subprocess.run(
         ["bash", str(RUN_DRIVER), "stop", "USR1", "python"], capture_output=True, text=True, check=False

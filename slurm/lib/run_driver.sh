@@ -24,13 +24,14 @@ shift 3
 "$@" &
 driver_pid=$!
 
-# Stay alive on SIGTERM/SIGINT until the driver has exited, so its exit code is reported.
-trap 'echo "[run_driver] got SIGTERM; waiting for the driver (pid $driver_pid) to checkpoint and exit"' TERM
+# Stay alive on SIGTERM/SIGINT until the driver has exited, so its exit code is reported. The driver got
+# the SIGTERM too: no stop signal is relayed after it.
+relayed=0
+trap 'relayed=1; echo "[run_driver] got SIGTERM; waiting for the driver (pid $driver_pid) to checkpoint and exit"' TERM
 trap 'kill -INT "$driver_pid" 2>/dev/null || true' INT
 # A signal sent to the whole step (e.g. `scancel --signal=USR1 JOB.STEP`) reaches the driver directly.
 trap 'echo "[run_driver] got SIGUSR1 (the driver receives it too)"' USR1
 
-relayed=0
 while kill -0 "$driver_pid" 2>/dev/null; do
   if [[ $relayed -eq 0 && -e "$stop_file" ]]; then
     relayed=1
