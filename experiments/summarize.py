@@ -110,6 +110,7 @@ class RunRecord:
     seconds: float | None = None
     start_ms: int | None = None
     end_ms: int | None = None
+    commit: str | None = None  # the repository commit the run's code came from (MLflow tag git.commit)
 
 
 def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None = None) -> list[RunRecord]:
@@ -144,7 +145,10 @@ def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None
         seconds = None
         if root is not None and (run_dir(root, spec) / DONE).is_file():
             seconds = json.loads((run_dir(root, spec) / DONE).read_text()).get("seconds")
-        records.append(RunRecord(spec, completed, reason, history, seconds, run.info.start_time, run.info.end_time))
+        tags = run.data.tags
+        commit = tags.get("git.commit", "")[:10] + ("+dirty" if tags.get("git.dirty") == "true" else "")
+        records.append(RunRecord(spec, completed, reason, history, seconds, run.info.start_time, run.info.end_time,
+                                 commit or None))
     return records
 
 
@@ -339,6 +343,10 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
                      "run on average (including its share of evaluations, excluding the shared warm-up)"
                      + (f"; wall clock first start to last end {(max(e for _, e in spans) - min(s for s, _ in spans)) / 60000:.1f} min."
                         if spans else "."))
+    commits = sorted({r.commit for r in summary.completed if r.commit})
+    if commits:
+        lines.append(f"Code: commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (MLflow tag `git.commit`; "
+                     "+dirty: the working tree had uncommitted changes).")
     rel = figure.relative_to(doc_dir) if figure.is_relative_to(doc_dir) else figure
     finals = rel.with_name(rel.stem + "_final.png")
     lines += ["", f"![{study.name}: final values]({finals.as_posix()})", "", f"![{study.name}]({rel.as_posix()})", "",
