@@ -7,7 +7,9 @@
   its newest checkpoint, and a directory left by *different* settings is moved aside, never deleted;
 - every run logs to the study's MLflow store `<root>/<mode>/<study>/mlflow.db` (experiment
   `<study>-<mode>`, run name = cell, seed and settings fingerprint);
-- Ctrl-C / SIGTERM: running trainers get SIGTERM (they checkpoint and exit); rerun to continue.
+- Ctrl-C / SIGTERM: running trainers get SIGTERM (they checkpoint and exit); rerun to continue;
+- `--commit REV`: the runs execute a clean export of that commit (`git archive`, in `<root>/_code/<sha>`)
+  instead of the working tree, so uncommitted edits in a shared checkout cannot leak into a study.
 """
 
 from __future__ import annotations
@@ -113,10 +115,28 @@ class Job:
     warmup_from: Path | None = None
 
 
-class Launcher:
-    """Starts worker processes and stops them all on request (SIGTERM: they checkpoint and exit)."""
+def export_commit(root: Path, rev: str) -> tuple[Path, str]:
+    """A clean copy of the repository at `rev` (made once per commit); returns (directory, full sha)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    target = root / "_code" / sha
+    if not (target / ".exported").is_file():
+        partial = target.with_name(sha + ".partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(partial)], input=archive.stdout, check=True)
+        (partial / ".exported").write_text(sha + "\n")
+        partial.rename(target)
+    return target, sha
 
-    def __init__(self) -> None:
+
+class Launcher:
+    """Starts worker processes and stops them all on request (SIGTERM: they checkpoint and exit).
+
+    `code_dir`/`commit`: run the workers from that copy of the repository (see `export_commit`)."""
+
+    def __init__(self, code_dir: Path = REPO, commit: str | None = None) -> None:
+        self.code_dir, self.commit = code_dir, commit
         self.stopping = threading.Event()
         self._procs: dict[int, subprocess.Popen] = {}
         self._lock = threading.Lock()
@@ -125,18 +145,21 @@ class Launcher:
         if self.stopping.is_set():
             return -1, 0.0
         job.output_dir.mkdir(parents=True, exist_ok=True)
-        spec = {"config": str(BASE_CONFIG), "overrides": job.overrides, "output_dir": str(job.output_dir.resolve()),
+        config = self.code_dir / BASE_CONFIG.relative_to(REPO)
+        spec = {"config": str(config), "overrides": job.overrides, "output_dir": str(job.output_dir.resolve()),
                 "warmup_from": str(job.warmup_from.resolve()) if job.warmup_from else None,
                 "fingerprint": job.fingerprint}
         (job.output_dir / SPEC).write_text(json.dumps(spec, indent=2))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(self.code_dir), os.environ.get("PYTHONPATH")]))}
+        if self.commit:
+            env["BAPO_GIT_COMMIT"] = self.commit  # the export has no .git: tag the MLflow runs with the commit
         start = time.time()
         with (job.output_dir / "train.log").open("a") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start {job.label}\n")
             log.flush()
             proc = subprocess.Popen([sys.executable, "-m", "experiments.worker", str(job.output_dir / SPEC)],
-                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                    cwd=self.code_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
             with self._lock:
                 self._procs[proc.pid] = proc
             rc = proc.wait()
@@ -166,8 +189,9 @@ def plan(studies: list[str], mode: str, root: Path, budget: Budget | None = None
 
 
 def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Path = DEFAULT_ROOT,
-                budget: Budget | None = None, progress: bool = True) -> dict[str, int]:
-    """Run every run not yet done; returns counts {done, skipped, failed, stopped}."""
+                budget: Budget | None = None, progress: bool = True, commit: str | None = None) -> dict[str, int]:
+    """Run every run not yet done; returns counts {done, skipped, failed, stopped}. `commit`: run the
+    trainer from a clean export of that git revision instead of the working tree."""
     root = Path(root)
     specs, status = plan(studies, mode, root, budget)
     for spec in specs:
@@ -184,7 +208,12 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
         ensure_store(root, mode, name)
 
     started = time.time()
-    launcher = Launcher()
+    if commit:
+        code_dir, sha = export_commit(root, commit)
+        print(f"running the code of commit {sha[:10]} from {code_dir}", file=sys.stderr)
+        launcher = Launcher(code_dir, sha)
+    else:
+        launcher = Launcher()
     def on_signal(signum, _frame) -> None:
         print(f"\n{signal.Signals(signum).name} received: stopping the running trainers (they checkpoint); rerun "
               "the same command to continue", file=sys.stderr, flush=True)
@@ -272,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one torch thread each (default 2)")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="where runs and MLflow stores go")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their status, run nothing")
+    parser.add_argument("--commit", metavar="REV", default=None,
+                        help="run the trainer from a clean export of this git revision (e.g. HEAD), not the "
+                        "working tree: uncommitted edits in a shared checkout then cannot change a study")
     args = parser.parse_args(argv)
     names = list(STUDIES) if args.studies == ["all"] else args.studies
     try:
@@ -288,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{status[spec.run_name]:9s} {spec.study:12s} {spec.run_name}  {' '.join(spec.override_list())}")
         print(f"{len(specs)} runs", file=sys.stderr)
         return 0
-    counts = run_studies(names, mode, args.jobs, args.root)
+    counts = run_studies(names, mode, args.jobs, args.root, commit=args.commit)
     if counts["stopped"]:
         return 130
     return 1 if counts["failed"] else 0

@@ -75,3 +75,17 @@ def test_warmup_is_shared_by_modes_not_by_seeds_or_settings(tmp_path):
     assert warmup_dir(tmp_path, "full", 0) != warmup_dir(tmp_path, "full", 1)
     shorter = Budget(3, 1, (0,), extra=(("warmup.steps", 20),))
     assert warmup_dir(tmp_path, "full", 0, shorter) != warmup_dir(tmp_path, "full", 0)
+
+
+def test_export_commit_is_a_clean_copy_of_that_commit(tmp_path):
+    import subprocess
+
+    from experiments.run import REPO, export_commit
+
+    code_dir, sha = export_commit(tmp_path, "HEAD")
+    assert code_dir == tmp_path / "_code" / sha and len(sha) == 40
+    committed = subprocess.run(["git", "show", f"{sha}:experiments/base.yaml"], cwd=REPO, capture_output=True,
+                               check=True).stdout
+    assert (code_dir / "experiments" / "base.yaml").read_bytes() == committed
+    assert (code_dir / "bapo_nemo" / "algorithm" / "bapo.py").is_file()
+    assert export_commit(tmp_path, sha) == (code_dir, sha)  # made once, then reused
