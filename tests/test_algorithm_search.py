@@ -314,3 +314,22 @@ def test_all_reduce_is_called_exactly_once():
     # one call carrying every histogram: edges = 16 c_low + 37 c_high = 53 -> 54 buckets;
     # bins = 2 * 54 (by sign) + 2 (zero advantage, masked) = 110; 5 statistics -> 550 numbers
     assert calls == [550]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "config",
+    [BAPOConfig(), BAPOConfig(dual_clip=3.5),
+     BAPOConfig.from_reference_recipe(ratio_lower_start=0.8, ratio_lower_max=0.95, ratio_upper_step=0.1)],
+)
+def test_table_lookup_buckets_equal_binary_search_at_and_around_every_edge(dtype, config):
+    from bapo_nemo.algorithm.bapo import _bucket, _edges
+
+    edges = _edges(config).tensor(dtype)
+    up, down = torch.full_like(edges, 9.0), torch.full_like(edges, -9.0)
+    r = torch.cat([
+        torch.exp(torch.randn(20000, generator=torch.Generator().manual_seed(0))).to(dtype),
+        edges, torch.nextafter(edges, up), torch.nextafter(edges, down),  # exact ties and one float off
+        torch.tensor([0.0, 1e-30, 1e30], dtype=dtype),
+    ])
+    assert torch.equal(_bucket(r, edges), torch.searchsorted(edges, r))

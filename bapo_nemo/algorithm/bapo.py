@@ -75,7 +75,7 @@ class ClipSearchResult:
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Edges:
-    """Bucket edges shared by both bounds, so one `searchsorted` places every token.
+    """Bucket edges shared by both bounds, so one lookup places every token.
 
     With b = #{edges < r}: the first L edges are the c_low grid shifted one float down (so "edge < r"
     means "c_low <= r": a negative token at exactly c_low still has gradient), then the H c_high points
@@ -87,13 +87,45 @@ class _Edges:
     dual: float | None
 
     @property
-    def values(self) -> list[float]:
-        shifted_low = [math.nextafter(x, -math.inf) for x in self.low]
-        return shifted_low + list(self.high) + ([self.dual] if self.dual is not None else [])
-
-    @property
     def n_bins(self) -> int:
-        return len(self.values) + 1
+        return len(self.low) + len(self.high) + (self.dual is not None) + 1
+
+    def tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """The edges (on the host) as the ratios' dtype compares them: the shift is one float of that dtype."""
+        low = torch.nextafter(torch.tensor(self.low, dtype=dtype), torch.tensor(-math.inf, dtype=dtype))
+        rest = torch.tensor(list(self.high) + ([self.dual] if self.dual is not None else []), dtype=dtype)
+        return torch.cat([low, rest])
+
+
+# Finer lookup tables than this fall back to a binary search (only for pathological grids).
+_MAX_LOOKUP_CELLS = 1 << 16
+
+
+def _bucket(r: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """#{edges < r} per token, exactly, for sorted host-side `edges` of r's dtype.
+
+    A binary search (`searchsorted`) costs about as much as the whole plain loss on CPU. The edges are
+    a few known points, so: split [edges[0], edges[-1]] into cells of half the smallest gap (at most one
+    edge per cell), look up the count at each cell's start in a small table, and correct by one with
+    the neighbouring edges, which also absorbs any rounding in the cell index.
+    """
+    values = edges.tolist()
+    gaps = [b - a for a, b in zip(values, values[1:])]
+    width = min(gaps) / 2 if gaps else 1.0
+    n_cells = int((values[-1] - values[0]) / width) + 2 if gaps else 1
+    if not gaps or n_cells > _MAX_LOOKUP_CELLS or min(gaps) <= 0:
+        return torch.searchsorted(edges.to(r.device), r)
+    starts = torch.tensor([values[0] + c * width for c in range(n_cells + 1)], dtype=torch.float64)
+    table = torch.searchsorted(edges.double(), starts).to(r.device)  # #{edges < cell start}
+    inf = torch.full((1,), math.inf, dtype=r.dtype)
+    next_edge, prev_edge = torch.cat([edges, inf]).to(r.device), torch.cat([-inf, edges]).to(r.device)
+    # Clamp in float (NaN stays NaN), then again as integers (NaN became garbage): non-finite ratios
+    # land somewhere in range and are caught by the caller through the non-finite sums.
+    cell = ((r - values[0]) * (1.0 / width)).clamp_(0, n_cells).long().clamp_(0, n_cells)
+    # index_select, not fancy indexing: several times faster for a small table on CPU.
+    b = table.index_select(0, cell)
+    b = b + (next_edge.index_select(0, b) < r).long()
+    return b - (prev_edge.index_select(0, b) >= r).long()
 
 
 def _edges(config: BAPOConfig) -> _Edges:
@@ -124,7 +156,7 @@ def _token_histograms(ratio, advantages, mask, weights, edges: _Edges, with_abs_
     u = edges.n_bins
     n_bins = 2 * u + 2
     r, a = ratio.reshape(-1), advantages.reshape(-1)
-    bucket = torch.searchsorted(torch.tensor(edges.values, dtype=r.dtype, device=r.device), r)
+    bucket = _bucket(r, edges.tensor(r.dtype))
     code = torch.where(a > 0, bucket, torch.where(a < 0, bucket + u, 2 * u))
     code.masked_fill_(mask.reshape(-1) <= 0, 2 * u + 1)
     abs_ar = (r * a).abs_()
