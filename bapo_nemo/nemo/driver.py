@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)"
         )
 
+    # SIGUSR1 (Slurm's pre-timeout signal) -> checkpoint after the current step and stop.
+    from nemo_rl.algorithms import grpo as grpo_module
+
+    from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
+
+    patch_grpo_timeout_checker(grpo_module)
+
     init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
     tokenizer = get_tokenizer(master_config.policy["tokenizer"])
     megatron_cfg = master_config.policy.get("megatron_cfg") or {}

@@ -1,0 +1,73 @@
+"""SIGUSR1 makes NeMo-RL's per-step timeout check answer "save now" once.
+
+The base class here is a stand-in with v0.7.0 `nemo_rl.utils.timer.TimeoutChecker`'s contract
+(`check_save()` and its `last_saved` flag), because NeMo-RL does not import on this machine; the
+`nemo_rl`-marked test uses the real class."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bapo_nemo.nemo import stop_signal
+
+
+class V070LikeTimeoutChecker:
+    """v0.7.0's behaviour: True once when the deadline has passed, then False (it saved already)."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.deadline = float("inf") if timeout_s is None else time.time() + timeout_s
+        self.last_saved = False
+
+    def check_save(self):
+        if self.last_saved:
+            return False
+        if time.time() >= self.deadline:
+            self.last_saved = True
+            return True
+        return False
+
+
+@pytest.fixture
+def fresh_signal_state():
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop_signal._requested.clear()
+    yield
+    stop_signal._requested.clear()
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_sigusr1_triggers_exactly_one_save(fresh_signal_state):
+    checker = stop_signal.signal_aware(V070LikeTimeoutChecker)(timeout_s=None)
+    stop_signal.install_stop_signal()
+    assert checker.check_save() is False  # no deadline, no signal
+    os.kill(os.getpid(), signal.SIGUSR1)  # the process survives: the handler replaced the default action
+    time.sleep(0.05)
+    assert stop_signal.stop_requested()
+    assert checker.check_save() is True
+    assert checker.check_save() is False  # grpo_train returns after the save; a second ask says no
+
+
+def test_deadline_still_works_without_signal(fresh_signal_state):
+    checker = stop_signal.signal_aware(V070LikeTimeoutChecker)(timeout_s=0.0)
+    assert checker.check_save() is True and checker.check_save() is False
+
+
+@pytest.mark.nemo_rl
+def test_real_timeout_checker_saves_on_signal(fresh_signal_state):
+    from nemo_rl.algorithms import grpo
+
+    original = grpo.TimeoutChecker
+    try:
+        stop_signal.patch_grpo_timeout_checker(grpo)
+        checker = grpo.TimeoutChecker(timeout="01:00:00:00", fit_last_save_time=True)
+        checker.start_iterations()
+        assert checker.check_save() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert checker.check_save() is True and checker.check_save() is False
+    finally:
+        grpo.TimeoutChecker = original
