@@ -88,3 +88,16 @@ def test_config_differences_ignore_only_harmless_keys():
     diffs = config_differences(a, c)
     assert [d.split(":")[0] for d in diffs] == ["loss.bapo.rho0", "model.hidden_size"]
     assert "checkpoint=128, now=64" in diffs[1]
+
+
+def test_resume_treats_a_key_added_since_the_checkpoint_as_its_default():
+    from bapo_nemo.embedded.config import RunConfig, config_differences
+
+    current = RunConfig().to_dict()
+    saved = RunConfig().to_dict()
+    del saved["warmup"]["step_error_rate"]  # written by an older version that did not know the key
+    assert config_differences(saved, current) == []
+    # ... but a run that sets the new key to a non-default value does differ.
+    changed = RunConfig.model_validate({**current, "warmup": {**current["warmup"], "step_error_rate": 0.3}})
+    diffs = config_differences(saved, changed.to_dict())
+    assert len(diffs) == 1 and diffs[0].startswith("warmup.step_error_rate: checkpoint=")

@@ -358,7 +358,16 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """Keys whose values differ (ignoring RESUME_HARMLESS_KEYS), as `key: checkpoint=X, now=Y`."""
+    """Keys whose values differ (ignoring RESUME_HARMLESS_KEYS), as `key: checkpoint=X, now=Y`.
+
+    The checkpoint's config is first read through today's schema, so a key added since it was written
+    (absent there) compares as its default: a code update between two requeues does not block resume
+    unless the run sets that key to something else.
+    """
+    try:
+        saved = RunConfig.model_validate(saved).to_dict()
+    except ValidationError:
+        pass  # a key was removed or renamed since: compare as written, the message names it
     a, b = flatten(saved), flatten(current)
     diffs = []
     for key in sorted(set(a) | set(b)):
