@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     install_step_bounds(policy, loss_fn, master_config)
     if partial_hook is not None:
         partial_hook.attach(policy, checkpointer)
+    if master_config.checkpointing["enabled"]:
+        from bapo_nemo.nemo.parity_recorder import attach_parity_recorder
+
+        attach_parity_recorder(checkpointer, policy, tokenizer, master_config)  # for `bapo-nemo export`'s parity
     after_setup(master_config.model_dump(), logger)
 
     if master_config.grpo.get("async_grpo", {}).get("enabled", False):

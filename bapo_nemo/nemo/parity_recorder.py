@@ -1,0 +1,70 @@
+"""Record the policy's own log-probs on a few fixed sequences into every NeMo-RL checkpoint.
+
+`bapo-nemo export` turns a Megatron checkpoint into an HF directory outside the training job, where the
+Megatron model cannot be loaded to compare against; so its parity check compares the reloaded HF model
+with `step_N/parity_logprobs.json`, written here while the policy is live. We hook
+`checkpointer.finalize_checkpoint` (called by grpo_train once the weights are written into
+`tmp_step_N`, before the rename), so the file lands atomically with the checkpoint.
+
+Cost per checkpoint: one `policy.get_logprobs` call on a handful of short sequences (seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from bapo_nemo.export.parity import FIXED_PROMPTS, write_reference_logprobs
+
+
+def parity_sequences(tokenizer, prompts: list[str] = FIXED_PROMPTS) -> list[list[int]]:
+    """Token ids of the fixed held-out prompts (the same list the export's parity check uses)."""
+    return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+
+
+def _batch(sequences: list[list[int]], pad_id: int, multiple: int) -> dict[str, torch.Tensor]:
+    longest = max(len(s) for s in sequences)
+    width = -(-longest // multiple) * multiple  # Megatron wants lengths divisible by TP*CP*2
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        input_ids[i, : len(s)] = torch.tensor(s)
+    return {"input_ids": input_ids, "input_lengths": torch.tensor([len(s) for s in sequences])}
+
+
+def record_parity_logprobs(policy, step_dir, sequences: list[list[int]], pad_id: int, multiple: int,
+                           dtype: str, make_batch: Callable[[dict], Any] = dict) -> None:
+    """`policy.get_logprobs` on `sequences` -> `step_dir/parity_logprobs.json`.
+
+    v0.7.0's get_logprobs returns [B, S] with position i = log p(token i | tokens < i) and 0 at i = 0;
+    the file stores, per sequence, positions 1..len-1 (log p of each next token)."""
+    data = make_batch(_batch(sequences, pad_id, multiple))
+    logprobs = policy.get_logprobs(data)["logprobs"].float().cpu()
+    rows = [logprobs[i, 1 : len(s)].tolist() for i, s in enumerate(sequences)]
+    write_reference_logprobs(step_dir, sequences, rows, dtype, source="nemo-rl policy.get_logprobs at checkpoint save")
+
+
+def attach_parity_recorder(checkpointer, policy, tokenizer, master_config) -> Callable[[], None]:
+    """Wrap `checkpointer.finalize_checkpoint`; returns a function that undoes the wrap."""
+    try:
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+        make_batch: Callable[[dict], Any] = BatchedDataDict
+    except ImportError:  # only outside the container (tests): the policy takes a plain dict
+        make_batch = dict
+    policy_cfg = master_config.policy if hasattr(master_config, "policy") else master_config["policy"]
+    multiple = int(policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
+    dtype = str(policy_cfg.get("precision", "bfloat16"))
+    sequences = parity_sequences(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    finalize = checkpointer.finalize_checkpoint
+
+    def finalize_with_parity(checkpoint_path, *args, **kwargs):
+        try:
+            record_parity_logprobs(policy, checkpoint_path, sequences, pad_id, multiple, dtype, make_batch)
+        except Exception as exc:  # a missing parity file only weakens the export's check; keep training
+            print(f"warning: parity log-probs not recorded for {checkpoint_path}: {type(exc).__name__}: {exc}")
+        return finalize(checkpoint_path, *args, **kwargs)
+
+    checkpointer.finalize_checkpoint = finalize_with_parity
+    return lambda: setattr(checkpointer, "finalize_checkpoint", finalize)
