@@ -30,7 +30,7 @@ def _has_nemo_rl() -> bool:
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: runs inside the NeMo-RL container on the cluster")
     skip_nemo = pytest.mark.skip(
-        reason="needs NeMo-RL v0.7.0 (Python 3.13, GPUs): runs inside nvcr.io/nvidia/nemo-rl:v0.7.0"
+        reason="needs NeMo-RL v0.7.0 (Python 3.13, not on PyPI): runs inside nvcr.io/nvidia/nemo-rl:v0.7.0"
     )
     cuda, nemo = _has_cuda(), _has_nemo_rl()
     for item in items:
