@@ -345,8 +345,9 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
                         if spans else "."))
     commits = sorted({r.commit for r in summary.completed if r.commit})
     if commits:
-        lines.append(f"Code: commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (MLflow tag `git.commit`; "
-                     "+dirty: the working tree had uncommitted changes).")
+        dirty = any(c.endswith("+dirty") for c in commits)
+        lines.append(f"Code: commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (MLflow tag `git.commit`"
+                     + ("; +dirty: run from a working tree with uncommitted changes)." if dirty else ")."))
     rel = figure.relative_to(doc_dir) if figure.is_relative_to(doc_dir) else figure
     finals = rel.with_name(rel.stem + "_final.png")
     lines += ["", f"![{study.name}: final values]({finals.as_posix()})", "", f"![{study.name}]({rel.as_posix()})", "",
