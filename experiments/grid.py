@@ -29,9 +29,16 @@ BAPO = {"loss.bapo.enabled": True}  # our defaults: paper grids and order, gradi
 # The authors' verl recipe as shipped (BAPOConfig.from_reference_recipe() defaults): c_low 0.6->0.8 and
 # c_high 1.2->2.0 in steps of 0.05, P/N target 1 (share 0.5), value measure, dual clip 3.
 AUTHORS_RECIPE = {
-    "loss.bapo.enabled": True, "loss.bapo.order": "reference", "loss.bapo.measure": "value",
-    "loss.bapo.rho0": 0.5, "loss.bapo.c_low_min": 0.6, "loss.bapo.c_low_max": 0.8, "loss.bapo.c_low_step": 0.05,
-    "loss.bapo.c_high_min": 1.2, "loss.bapo.c_high_max": 2.0, "loss.bapo.c_high_step": 0.05,
+    "loss.bapo.enabled": True,
+    "loss.bapo.order": "reference",
+    "loss.bapo.measure": "value",
+    "loss.bapo.rho0": 0.5,
+    "loss.bapo.c_low_min": 0.6,
+    "loss.bapo.c_low_max": 0.8,
+    "loss.bapo.c_low_step": 0.05,
+    "loss.bapo.c_high_min": 1.2,
+    "loss.bapo.c_high_max": 2.0,
+    "loss.bapo.c_high_step": 0.05,
     "loss.bapo.dual_clip": 3.0,
 }
 METHODS = {"fixed": FIXED_CLIP, "clip_higher": CLIP_HIGHER, "bapo": BAPO}
@@ -93,8 +100,11 @@ class Study:
 
     def cells_for(self, mode: Mode) -> list[Cell]:
         if mode == "quick" and self.quick_keep is not None:
-            return [c for c in self.cells if any(all(c.labels.get(k) == v for k, v in keep.items())
-                                                 for keep in self.quick_keep)]
+            return [
+                c
+                for c in self.cells
+                if any(all(c.labels.get(k) == v for k, v in keep.items()) for keep in self.quick_keep)
+            ]
         return list(self.cells)
 
 
@@ -146,13 +156,15 @@ def _yaml_scalar(value: object) -> str:
 def _staleness() -> Study:
     cells = tuple(
         Cell({"updates": str(u), "method": m}, {"train.updates_per_batch": u, **METHODS[m]})
-        for u in (1, 2, 4, 8) for m in ("fixed", "clip_higher", "bapo")
+        for u in (1, 2, 4, 8)
+        for m in ("fixed", "clip_higher", "bapo")
     )
     return Study(
         "staleness",
         "Optimizer updates per rollout batch (1/2/4/8; the paper's staleness) x {fixed clip [0.8, 1.2], "
         "clip-higher [0.8, 1.28], BAPO}.",
-        cells, row_axis="updates",
+        cells,
+        row_axis="updates",
         quick_keep=tuple({"updates": u, "method": m} for u in ("1", "8") for m in ("fixed", "bapo")),
     )
 
@@ -161,17 +173,30 @@ def _partial() -> Study:
     # 32 is base.yaml's budget: those cells are the staleness study's 2-update cells, whose runs are reused.
     budgets = {"16": 16, "32": None, "off": PARTIAL_OFF_BUDGET}
     cells = tuple(
-        Cell({"budget": b, "method": m},
-             {"train.updates_per_batch": 2, **({"rollout.partial.token_budget": t} if t else {}), **METHODS[m]},
-             same_as=("staleness", f"updates=2/method={m}") if t is None else None)
-        for b, t in budgets.items() for m in ("bapo",)
-    ) + (Cell({"budget": "32", "method": "fixed"}, {"train.updates_per_batch": 2, **FIXED_CLIP},
-              same_as=("staleness", "updates=2/method=fixed")),)  # free: a fixed-clip reference point
+        Cell(
+            {"budget": b, "method": m},
+            {
+                "train.updates_per_batch": 2,
+                **({"rollout.partial.token_budget": t} if t else {}),
+                **METHODS[m],
+            },
+            same_as=("staleness", f"updates=2/method={m}") if t is None else None,
+        )
+        for b, t in budgets.items()
+        for m in ("bapo",)
+    ) + (
+        Cell(
+            {"budget": "32", "method": "fixed"},
+            {"train.updates_per_batch": 2, **FIXED_CLIP},
+            same_as=("staleness", "updates=2/method=fixed"),
+        ),
+    )  # free: a fixed-clip reference point
     return Study(
         "partial",
         "BAPO with partial-rollout token budgets per iteration of 16 / 32 / off, 2 updates per batch (and "
         "fixed clip at budget 32 for reference).",
-        cells, row_axis=None,
+        cells,
+        row_axis=None,
         quick_keep=({"budget": "16", "method": "bapo"}, {"budget": "off", "method": "bapo"}),
     )
 
@@ -185,39 +210,70 @@ ACTIVE_SEARCH = {"loss.bapo.rho0": 0.5}
 ACTIVE_ARM = ("rho0", "rho0=0.5")
 
 
-def _ablation(name: str, description: str, arms: dict[str, dict[str, object]],
-              quick_arms: tuple[str, ...] | None = None, default_arm: str | None = None,
-              base: dict[str, object] | None = None, reuse: tuple[str, str] = DEFAULT_ARM) -> Study:
+def _ablation(
+    name: str,
+    description: str,
+    arms: dict[str, dict[str, object]],
+    quick_arms: tuple[str, ...] | None = None,
+    default_arm: str | None = None,
+    base: dict[str, object] | None = None,
+    reuse: tuple[str, str] = DEFAULT_ARM,
+) -> Study:
     cells = tuple(
-        Cell({name: arm}, {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **(base or {}), **ov},
-             same_as=reuse if arm == default_arm else None)
+        Cell(
+            {name: arm},
+            {"train.updates_per_batch": ABLATION_UPDATES, **BAPO, **(base or {}), **ov},
+            same_as=reuse if arm == default_arm else None,
+        )
         for arm, ov in arms.items()
     )
-    return Study(name, description, cells,
-                 quick_keep=tuple({name: arm} for arm in quick_arms) if quick_arms else None)
+    return Study(
+        name, description, cells, quick_keep=tuple({name: arm} for arm in quick_arms) if quick_arms else None
+    )
 
 
 def _studies() -> dict[str, Study]:
     studies = [
         _staleness(),
         _partial(),
-        _ablation("measure", f"BAPO's rho measure, value (Eq. 8) vs gradient, rho0 = 0.5, {ABLATION_UPDATES} updates "
-                  "per batch.", {"gradient": {}, "value": {"loss.bapo.measure": "value"}}, default_arm="gradient",
-                  base=ACTIVE_SEARCH, reuse=ACTIVE_ARM),
-        _ablation("order", "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
-                  f"the authors' full recipe (P/N target 1 = share 0.5), rho0 = 0.5, {ABLATION_UPDATES} updates "
-                  "per batch.", {"paper": {}, "reference": {"loss.bapo.order": "reference"},
-                                 "authors_recipe": AUTHORS_RECIPE},
-                  quick_arms=("paper", "reference"), default_arm="paper", base=ACTIVE_SEARCH, reuse=ACTIVE_ARM),
+        _ablation(
+            "measure",
+            f"BAPO's rho measure, value (Eq. 8) vs gradient, rho0 = 0.5, {ABLATION_UPDATES} updates "
+            "per batch.",
+            {"gradient": {}, "value": {"loss.bapo.measure": "value"}},
+            default_arm="gradient",
+            base=ACTIVE_SEARCH,
+            reuse=ACTIVE_ARM,
+        ),
+        _ablation(
+            "order",
+            "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
+            f"the authors' full recipe (P/N target 1 = share 0.5), rho0 = 0.5, {ABLATION_UPDATES} updates "
+            "per batch.",
+            {"paper": {}, "reference": {"loss.bapo.order": "reference"}, "authors_recipe": AUTHORS_RECIPE},
+            quick_arms=("paper", "reference"),
+            default_arm="paper",
+            base=ACTIVE_SEARCH,
+            reuse=ACTIVE_ARM,
+        ),
         # micro_batch_size 8 (one prompt group) so that a mini-batch spans several loss calls and the two
         # granularities actually differ; with the default 64 a mini-batch is a single micro-batch.
-        _ablation("granularity", "Bound search per micro-batch (8 sequences) vs per optimizer step, "
-                  f"{ABLATION_UPDATES} updates per batch.",
-                  {"microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
-                   "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8}}),
-        _ablation("rho0", f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
-                  {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {}, "0.5": {"loss.bapo.rho0": 0.5}},
-                  quick_arms=("0.3", "0.5"), default_arm="0.4"),
+        _ablation(
+            "granularity",
+            "Bound search per micro-batch (8 sequences) vs per optimizer step, "
+            f"{ABLATION_UPDATES} updates per batch.",
+            {
+                "microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
+                "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8},
+            },
+        ),
+        _ablation(
+            "rho0",
+            f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
+            {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {}, "0.5": {"loss.bapo.rho0": 0.5}},
+            quick_arms=("0.3", "0.5"),
+            default_arm="0.4",
+        ),
     ]
     return {s.name: s for s in studies}
 
@@ -239,9 +295,12 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
     for seed in budget.seeds:
         for cell in study.cells_for(mode):
             overrides = {
-                "seed": seed, **COMMON,
-                "train.max_steps": budget.max_steps, "eval.every": budget.eval_every,
-                **dict(budget.extra), **cell.overrides,
+                "seed": seed,
+                **COMMON,
+                "train.max_steps": budget.max_steps,
+                "eval.every": budget.eval_every,
+                **dict(budget.extra),
+                **cell.overrides,
             }
             if cell.same_as is None:
                 runs.append(RunSpec(study.name, mode, cell, seed, overrides))
@@ -249,7 +308,9 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
             home_study, home_name = cell.same_as
             home = next(c for c in get_study(home_study).cells if c.name == home_name)
             if home.overrides != cell.overrides:
-                raise ValueError(f"{study.name}/{cell.name} reuses {home_study}/{home_name} but their overrides differ")
+                raise ValueError(
+                    f"{study.name}/{cell.name} reuses {home_study}/{home_name} but their overrides differ"
+                )
             runs.append(RunSpec(home_study, mode, home, seed, overrides, shown_as=cell))
     return runs
 

@@ -28,8 +28,17 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from experiments.grid import (BASE_CONFIG, BUDGETS, STUDIES, Budget, RunSpec, expand, fingerprint, get_study,
-                             warmup_overrides)
+from experiments.grid import (
+    BASE_CONFIG,
+    BUDGETS,
+    STUDIES,
+    Budget,
+    RunSpec,
+    expand,
+    fingerprint,
+    get_study,
+    warmup_overrides,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = REPO / "experiments" / "runs"
@@ -61,9 +70,11 @@ def experiment_name(study: str, mode: str) -> str:
 
 
 def tracking_overrides(root: Path, spec: RunSpec) -> list[str]:
-    return [f"tracking.tracking_uri={tracking_uri(root, spec.mode, spec.study)}",
-            f"tracking.experiment_name={experiment_name(spec.study, spec.mode)}",
-            f"tracking.run_name={spec.run_name}"]
+    return [
+        f"tracking.tracking_uri={tracking_uri(root, spec.mode, spec.study)}",
+        f"tracking.experiment_name={experiment_name(spec.study, spec.mode)}",
+        f"tracking.run_name={spec.run_name}",
+    ]
 
 
 # ---- skip / resume / move aside ----------------------------------------------------------------------------
@@ -117,13 +128,20 @@ class Job:
 
 def export_commit(root: Path, rev: str) -> tuple[Path, str]:
     """A clean copy of the repository at `rev` (made once per commit); returns (directory, full sha)."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     target = root / "_code" / sha
     if not (target / ".exported").is_file():
         partial = target.with_name(sha + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True
+        )
         subprocess.run(["tar", "-x", "-C", str(partial)], input=archive.stdout, check=True)
         (partial / ".exported").write_text(sha + "\n")
         partial.rename(target)
@@ -146,20 +164,36 @@ class Launcher:
             return -1, 0.0
         job.output_dir.mkdir(parents=True, exist_ok=True)
         config = self.code_dir / BASE_CONFIG.relative_to(REPO)
-        spec = {"config": str(config), "overrides": job.overrides, "output_dir": str(job.output_dir.resolve()),
-                "warmup_from": str(job.warmup_from.resolve()) if job.warmup_from else None,
-                "fingerprint": job.fingerprint}
+        spec = {
+            "config": str(config),
+            "overrides": job.overrides,
+            "output_dir": str(job.output_dir.resolve()),
+            "warmup_from": str(job.warmup_from.resolve()) if job.warmup_from else None,
+            "fingerprint": job.fingerprint,
+        }
         (job.output_dir / SPEC).write_text(json.dumps(spec, indent=2))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(self.code_dir), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(self.code_dir), os.environ.get("PYTHONPATH")])),
+        }
         if self.commit:
-            env["BAPO_GIT_COMMIT"] = self.commit  # the export has no .git: tag the MLflow runs with the commit
+            env["BAPO_GIT_COMMIT"] = (
+                self.commit
+            )  # the export has no .git: tag the MLflow runs with the commit
         start = time.time()
         with (job.output_dir / "train.log").open("a") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start {job.label}\n")
             log.flush()
-            proc = subprocess.Popen([sys.executable, "-m", "experiments.worker", str(job.output_dir / SPEC)],
-                                    cwd=self.code_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "experiments.worker", str(job.output_dir / SPEC)],
+                cwd=self.code_dir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             with self._lock:
                 self._procs[proc.pid] = proc
             rc = proc.wait()
@@ -167,9 +201,15 @@ class Launcher:
                 self._procs.pop(proc.pid, None)
         seconds = time.time() - start
         if rc == 0:
-            (job.output_dir / DONE).write_text(json.dumps(
-                {"fingerprint": job.fingerprint, "seconds": round(seconds, 1),
-                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+            (job.output_dir / DONE).write_text(
+                json.dumps(
+                    {
+                        "fingerprint": job.fingerprint,
+                        "seconds": round(seconds, 1),
+                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    }
+                )
+            )
         return rc, seconds
 
     def stop_all(self) -> None:
@@ -180,7 +220,9 @@ class Launcher:
                     proc.send_signal(signal.SIGTERM)
 
 
-def plan(studies: list[str], mode: str, root: Path, budget: Budget | None = None) -> tuple[list[RunSpec], dict]:
+def plan(
+    studies: list[str], mode: str, root: Path, budget: Budget | None = None
+) -> tuple[list[RunSpec], dict]:
     """All runs of `studies` and their status (done / resume / conflict / new)."""
     specs = list({(s.study, s.run_name): s for name in studies for s in expand(name, mode, budget)}.values())
     # Seed-major over all studies: if a study is cut short, every cell still has its first seeds.
@@ -188,8 +230,15 @@ def plan(studies: list[str], mode: str, root: Path, budget: Budget | None = None
     return specs, {s.run_name: run_status(run_dir(root, s), s.fingerprint) for s in specs}
 
 
-def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Path = DEFAULT_ROOT,
-                budget: Budget | None = None, progress: bool = True, commit: str | None = None) -> dict[str, int]:
+def run_studies(
+    studies: list[str],
+    mode: str = "full",
+    jobs: int = 2,
+    root: Path = DEFAULT_ROOT,
+    budget: Budget | None = None,
+    progress: bool = True,
+    commit: str | None = None,
+) -> dict[str, int]:
     """Run every run not yet done; returns counts {done, skipped, failed, stopped}. `commit`: run the
     trainer from a clean export of that git revision instead of the working tree."""
     root = Path(root)
@@ -214,26 +263,40 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
         launcher = Launcher(code_dir, sha)
     else:
         launcher = Launcher()
+
     def on_signal(signum, _frame) -> None:
-        print(f"\n{signal.Signals(signum).name} received: stopping the running trainers (they checkpoint); rerun "
-              "the same command to continue", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name} received: stopping the running trainers (they checkpoint); rerun "
+            "the same command to continue",
+            file=sys.stderr,
+            flush=True,
+        )
         launcher.stop_all()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    bar = tqdm(total=len(specs), initial=counts["skipped"], desc=f"{'+'.join(studies)} ({mode})", unit="run",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(specs),
+        initial=counts["skipped"],
+        desc=f"{'+'.join(studies)} ({mode})",
+        unit="run",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     running: set[str] = set()
     failures: list[str] = []
     lock = threading.Lock()
 
     def show() -> None:
-        bar.set_postfix_str(f"running: {', '.join(sorted(running))[:120]}" + (f" | failed {len(failures)}" if failures else ""))
+        bar.set_postfix_str(
+            f"running: {', '.join(sorted(running))[:120]}"
+            + (f" | failed {len(failures)}" if failures else "")
+        )
 
     def execute(job: Job, counts_as_run: bool) -> int:
         with lock:
             running.add(job.label)
             show()
-        rc, seconds = launcher.run(job)
+        rc, _ = launcher.run(job)
         with lock:
             running.discard(job.label)
             if rc == 0:
@@ -259,8 +322,11 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
             if warmup_ready(wdir):
                 warm[seed] = _done_future(0)
             else:
-                warm[seed] = pool.submit(execute, Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode, budget),
-                                                      f"warmup-{seed}"), False)
+                warm[seed] = pool.submit(
+                    execute,
+                    Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode, budget), f"warmup-{seed}"),
+                    False,
+                )
 
         def run_one(spec: RunSpec) -> int:
             if warm[spec.seed].result() != 0:
@@ -268,8 +334,13 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
                     counts["failed" if not launcher.stopping.is_set() else "stopped"] += 1
                     bar.update(1)
                 return -1
-            job = Job(spec.run_name, run_dir(root, spec), spec.override_list() + tracking_overrides(root, spec),
-                      spec.fingerprint, warmup_from=warmup_dir(root, mode, spec.seed, budget))
+            job = Job(
+                spec.run_name,
+                run_dir(root, spec),
+                spec.override_list() + tracking_overrides(root, spec),
+                spec.fingerprint,
+                warmup_from=warmup_dir(root, mode, spec.seed, budget),
+            )
             return execute(job, True)
 
         futures = [pool.submit(run_one, spec) for spec in todo]
@@ -278,9 +349,12 @@ def run_studies(studies: list[str], mode: str = "full", jobs: int = 2, root: Pat
     bar.close()
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    print(f"{counts['done']} runs completed, {counts['skipped']} already done, {counts['failed']} failed, "
-          f"{counts['stopped']} stopped in {(time.time() - started) / 60:.1f} min"
-          + (f"; failed: {', '.join(failures)}" if failures else ""), file=sys.stderr)
+    print(
+        f"{counts['done']} runs completed, {counts['skipped']} already done, {counts['failed']} failed, "
+        f"{counts['stopped']} stopped in {(time.time() - started) / 60:.1f} min"
+        + (f"; failed: {', '.join(failures)}" if failures else ""),
+        file=sys.stderr,
+    )
     return counts
 
 
@@ -292,18 +366,32 @@ def _done_future(value: int) -> Future:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("studies", nargs="+", metavar="STUDY", help=f"one or more of: {', '.join(STUDIES)}, or all")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"the quick variant: {BUDGETS['quick'].max_steps} RL steps instead of "
-                        f"{BUDGETS['full'].max_steps}, seeds {list(BUDGETS['quick'].seeds)} instead of "
-                        f"{list(BUDGETS['full'].seeds)}, fewer grid points (see docs/results.md)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one torch thread each (default 2)")
+        prog="python -m experiments.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "studies", nargs="+", metavar="STUDY", help=f"one or more of: {', '.join(STUDIES)}, or all"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the quick variant: {BUDGETS['quick'].max_steps} RL steps instead of "
+        f"{BUDGETS['full'].max_steps}, seeds {list(BUDGETS['quick'].seeds)} instead of "
+        f"{list(BUDGETS['full'].seeds)}, fewer grid points (see docs/results.md)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="runs in parallel, one torch thread each (default 2)"
+    )
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="where runs and MLflow stores go")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their status, run nothing")
-    parser.add_argument("--commit", metavar="REV", default=None,
-                        help="run the trainer from a clean export of this git revision (e.g. HEAD), not the "
-                        "working tree: uncommitted edits in a shared checkout then cannot change a study")
+    parser.add_argument(
+        "--commit",
+        metavar="REV",
+        default=None,
+        help="run the trainer from a clean export of this git revision (e.g. HEAD), not the "
+        "working tree: uncommitted edits in a shared checkout then cannot change a study",
+    )
     args = parser.parse_args(argv)
     names = list(STUDIES) if args.studies == ["all"] else args.studies
     try:
@@ -317,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         specs, status = plan(names, mode, args.root)
         for spec in specs:
-            print(f"{status[spec.run_name]:9s} {spec.study:12s} {spec.run_name}  {' '.join(spec.override_list())}")
+            print(
+                f"{status[spec.run_name]:9s} {spec.study:12s} {spec.run_name}  {' '.join(spec.override_list())}"
+            )
         print(f"{len(specs)} runs", file=sys.stderr)
         return 0
     counts = run_studies(names, mode, args.jobs, args.root, commit=args.commit)

@@ -37,8 +37,19 @@ HISTORY_KEYS = CURVES + ["bapo/target_met", "eval/pass_at_k", "train/response_le
 FINAL_FRACTION = 0.2
 COLLAPSE_HELDOUT_RATIO = 0.5
 COLLAPSE_ENTROPY_RATIO = 0.25
-STAT_KEYS = ["heldout_start", "heldout_end", "reward_end", "entropy_start", "entropy_end", "collapsed",
-             "c_low", "c_high", "rho", "target_met", "grad_norm"]
+STAT_KEYS = [
+    "heldout_start",
+    "heldout_end",
+    "reward_end",
+    "entropy_start",
+    "entropy_end",
+    "collapsed",
+    "c_low",
+    "c_high",
+    "rho",
+    "target_met",
+    "grad_norm",
+]
 
 History = dict[str, dict[int, float]]  # metric -> step -> value
 
@@ -72,8 +83,13 @@ def run_stats(history: History, max_steps: int) -> dict[str, float]:
     reward_collapse = heldout_end < COLLAPSE_HELDOUT_RATIO * heldout_start
     entropy_collapse = stats["entropy_end"] < COLLAPSE_ENTROPY_RATIO * stats["entropy_start"]
     stats["collapsed"] = 1.0 if (reward_collapse or entropy_collapse) else 0.0
-    for key, metric in (("c_low", "bapo/c_low"), ("c_high", "bapo/c_high"), ("rho", "bapo/rho"),
-                        ("target_met", "bapo/target_met"), ("grad_norm", "grad_norm")):
+    for key, metric in (
+        ("c_low", "bapo/c_low"),
+        ("c_high", "bapo/c_high"),
+        ("rho", "bapo/rho"),
+        ("target_met", "bapo/target_met"),
+        ("grad_norm", "grad_norm"),
+    ):
         stats[key] = _mean_over(history.get(metric, {}), rl_steps)
     return stats
 
@@ -128,8 +144,9 @@ def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None
             by_name.setdefault(run.info.run_name, []).append(run)
     records = []
     for spec in specs:
-        candidates = sorted(by_name.get(spec.run_name, []), key=lambda r: (r.info.status == "FINISHED",
-                                                                             r.info.start_time))
+        candidates = sorted(
+            by_name.get(spec.run_name, []), key=lambda r: (r.info.status == "FINISHED", r.info.start_time)
+        )
         if not candidates:
             records.append(RunRecord(spec, False, "not started"))
             continue
@@ -141,14 +158,26 @@ def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None
         max_steps = int(spec.overrides["train.max_steps"])
         last_step = max((max(h) for h in history.values() if h), default=-1)
         completed = run.info.status == "FINISHED" and last_step >= max_steps
-        reason = "" if completed else f"{run.info.status.lower()}, last logged step {last_step} of {max_steps}"
+        reason = (
+            "" if completed else f"{run.info.status.lower()}, last logged step {last_step} of {max_steps}"
+        )
         seconds = None
         if root is not None and (run_dir(root, spec) / DONE).is_file():
             seconds = json.loads((run_dir(root, spec) / DONE).read_text()).get("seconds")
         tags = run.data.tags
         commit = tags.get("git.commit", "")[:10] + ("+dirty" if tags.get("git.dirty") == "true" else "")
-        records.append(RunRecord(spec, completed, reason, history, seconds, run.info.start_time, run.info.end_time,
-                                 commit or None))
+        records.append(
+            RunRecord(
+                spec,
+                completed,
+                reason,
+                history,
+                seconds,
+                run.info.start_time,
+                run.info.end_time,
+                commit or None,
+            )
+        )
     return records
 
 
@@ -171,8 +200,13 @@ class StudySummary:
         return [r for r in self.records if not r.completed]
 
 
-def summarize_study(study: Study | str, mode: str = "full", root: Path = DEFAULT_ROOT,
-                    budget: Budget | None = None, uri: str | None = None) -> StudySummary:
+def summarize_study(
+    study: Study | str,
+    mode: str = "full",
+    root: Path = DEFAULT_ROOT,
+    budget: Budget | None = None,
+    uri: str | None = None,
+) -> StudySummary:
     study = get_study(study) if isinstance(study, str) else study
     budget = budget or BUDGETS[mode]
     specs = expand(study, mode, budget)
@@ -181,22 +215,33 @@ def summarize_study(study: Study | str, mode: str = "full", root: Path = DEFAULT
         by_store.setdefault(spec.study, []).append(spec)
     loaded = {}
     for store, store_specs in by_store.items():
-        for record in load_runs(store_specs, uri or tracking_uri(Path(root), mode, store),
-                                experiment_name(store, mode), Path(root)):
+        for record in load_runs(
+            store_specs,
+            uri or tracking_uri(Path(root), mode, store),
+            experiment_name(store, mode),
+            Path(root),
+        ):
             loaded[(record.spec.study, record.spec.run_name)] = record
     records = [loaded[(s.study, s.run_name)] for s in specs]
     per_run = {r.spec.run_name: run_stats(r.history, budget.max_steps) for r in records if r.completed}
     cells = {}
     for cell in study.cells_for(mode):
-        runs = [per_run[r.spec.run_name] for r in records if r.completed and r.spec.display_cell.name == cell.name]
+        runs = [
+            per_run[r.spec.run_name] for r in records if r.completed and r.spec.display_cell.name == cell.name
+        ]
         cells[cell.name] = aggregate(runs)
     return StudySummary(study, mode, budget, records, cells, per_run)
 
 
 # ---- figures -------------------------------------------------------------------------------------------------
-PANELS = [("eval/avg_at_k", "held-out avg@k"), ("reward/mean", "train reward (5-step mean)"),
-          ("entropy", "token entropy"), ("bapo/rho", "positive share rho"), ("bounds", "c_low (dashed) / c_high"),
-          ("grad_norm", "grad norm")]
+PANELS = [
+    ("eval/avg_at_k", "held-out avg@k"),
+    ("reward/mean", "train reward (5-step mean)"),
+    ("entropy", "token entropy"),
+    ("bapo/rho", "positive share rho"),
+    ("bounds", "c_low (dashed) / c_high"),
+    ("grad_norm", "grad norm"),
+]
 
 
 def _band(records: list[RunRecord], key: str, smooth: int = 1):
@@ -209,8 +254,10 @@ def _band(records: list[RunRecord], key: str, smooth: int = 1):
         if smooth > 1 and h:
             steps = sorted(h)
             vals = [h[s] for s in steps]
-            h = {s: sum(vals[max(0, i - smooth + 1): i + 1]) / len(vals[max(0, i - smooth + 1): i + 1])
-                 for i, s in enumerate(steps)}
+            h = {
+                s: sum(vals[max(0, i - smooth + 1) : i + 1]) / len(vals[max(0, i - smooth + 1) : i + 1])
+                for i, s in enumerate(steps)
+            }
         series.append(h)
     if not series:
         return None
@@ -231,8 +278,9 @@ def plot_study(summary: StudySummary, path: Path) -> Path:
     study = summary.study
     cells = study.cells_for(summary.mode)
     row_values = list(dict.fromkeys(c.labels[study.row_axis] for c in cells)) if study.row_axis else [None]
-    fig, axes = plt.subplots(len(row_values), len(PANELS), figsize=(3.3 * len(PANELS), 2.6 * len(row_values)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(row_values), len(PANELS), figsize=(3.3 * len(PANELS), 2.6 * len(row_values)), squeeze=False
+    )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     line_labels = list(dict.fromkeys(_line_label(c.labels, study.row_axis) for c in cells))
     for i, row in enumerate(row_values):
@@ -253,8 +301,15 @@ def plot_study(summary: StudySummary, path: Path) -> Path:
                         continue
                     steps, mean, std = band
                     marker = "o" if k == "eval/avg_at_k" else None
-                    ax.plot(steps, mean, style, color=color, marker=marker, ms=3,
-                            label=label if (j == 0 and style == "-") else None)
+                    ax.plot(
+                        steps,
+                        mean,
+                        style,
+                        color=color,
+                        marker=marker,
+                        ms=3,
+                        label=label if (j == 0 and style == "-") else None,
+                    )
                     ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.18, lw=0)
         for j, (_key, title) in enumerate(PANELS):
             ax = axes[i][j]
@@ -281,17 +336,29 @@ def plot_finals(summary: StudySummary, path: Path) -> Path:
     study = summary.study
     cells = study.cells_for(summary.mode)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, key, title in ((axes[0], "heldout_end", "final held-out avg@k"), (axes[1], "reward_end", "final reward")):
+    for ax, key, title in (
+        (axes[0], "heldout_end", "final held-out avg@k"),
+        (axes[1], "reward_end", "final reward"),
+    ):
         if study.row_axis:
             xs = list(dict.fromkeys(c.labels[study.row_axis] for c in cells))
             for label in dict.fromkeys(_line_label(c.labels, study.row_axis) for c in cells):
-                pts = [(i, summary.cells[c.name][key]) for i, x in enumerate(xs) for c in cells
-                       if c.labels[study.row_axis] == x and _line_label(c.labels, study.row_axis) == label]
+                pts = [
+                    (i, summary.cells[c.name][key])
+                    for i, x in enumerate(xs)
+                    for c in cells
+                    if c.labels[study.row_axis] == x and _line_label(c.labels, study.row_axis) == label
+                ]
                 pts = [(i, m, sd) for i, (m, sd, n) in pts if n]
                 if pts:
-                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
-                                yerr=[p[2] if math.isfinite(p[2]) else 0 for p in pts], marker="o", capsize=3,
-                                label=label)
+                    ax.errorbar(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        yerr=[p[2] if math.isfinite(p[2]) else 0 for p in pts],
+                        marker="o",
+                        capsize=3,
+                        label=label,
+                    )
             ax.set_xticks(range(len(xs)), xs)
             ax.set_xlabel(study.row_axis)
             ax.legend(fontsize=8)
@@ -299,10 +366,20 @@ def plot_finals(summary: StudySummary, path: Path) -> Path:
             names = [c.name for c in cells]
             means = [summary.cells[n][key][0] for n in names]
             stds = [summary.cells[n][key][1] for n in names]
-            ax.bar(range(len(names)), [m if math.isfinite(m) else 0 for m in means],
-                   yerr=[sd if math.isfinite(sd) else 0 for sd in stds], capsize=3, color="tab:blue", alpha=0.7)
-            ax.set_xticks(range(len(names)), [n.split("=", 1)[-1] if "/" not in n else n for n in names],
-                          rotation=20, fontsize=7)
+            ax.bar(
+                range(len(names)),
+                [m if math.isfinite(m) else 0 for m in means],
+                yerr=[sd if math.isfinite(sd) else 0 for sd in stds],
+                capsize=3,
+                color="tab:blue",
+                alpha=0.7,
+            )
+            ax.set_xticks(
+                range(len(names)),
+                [n.split("=", 1)[-1] if "/" not in n else n for n in names],
+                rotation=20,
+                fontsize=7,
+            )
         if key == "heldout_end":
             starts = [summary.cells[c.name]["heldout_start"][0] for c in cells]
             starts = [v for v in starts if math.isfinite(v)]
@@ -325,35 +402,67 @@ def _line_label(labels: dict[str, str], row_axis: str | None) -> str:
 def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
     study, budget = summary.study, summary.budget
     n_total, n_done = len(summary.records), len(summary.completed)
-    lines = [f"### {study.name} ({summary.mode})", "", study.description, "",
-             f"{budget.max_steps} RL steps per run, seeds {list(budget.seeds)}, held-out avg@k every "
-             f"{budget.eval_every} steps. **Completed runs: {n_done} of {n_total}.**"]
+    lines = [
+        f"### {study.name} ({summary.mode})",
+        "",
+        study.description,
+        "",
+        (
+            f"{budget.max_steps} RL steps per run, seeds {list(budget.seeds)}, held-out avg@k every "
+            f"{budget.eval_every} steps. **Completed runs: {n_done} of {n_total}.**"
+        ),
+    ]
     if summary.missing:
-        lines.append("Not completed (excluded from the table and plots): "
-                     + "; ".join(f"`{r.spec.display_cell.name}` seed {r.spec.seed} ({r.reason})"
-                                 for r in summary.missing))
-    reused = {r.spec.display_cell.name: f"{r.spec.study}/{r.spec.cell.name}" for r in summary.records if r.spec.shown_as}
+        lines.append(
+            "Not completed (excluded from the table and plots): "
+            + "; ".join(
+                f"`{r.spec.display_cell.name}` seed {r.spec.seed} ({r.reason})" for r in summary.missing
+            )
+        )
+    reused = {
+        r.spec.display_cell.name: f"{r.spec.study}/{r.spec.cell.name}"
+        for r in summary.records
+        if r.spec.shown_as
+    }
     if reused:
-        lines.append("Reused runs (same settings, run once): "
-                     + "; ".join(f"`{mine}` = `{theirs}`" for mine, theirs in reused.items()) + ".")
+        lines.append(
+            "Reused runs (same settings, run once): "
+            + "; ".join(f"`{mine}` = `{theirs}`" for mine, theirs in reused.items())
+            + "."
+        )
     timed = [r.seconds for r in summary.completed if r.seconds]
     spans = [(r.start_ms, r.end_ms) for r in summary.completed if r.start_ms and r.end_ms]
     if timed:
-        lines.append(f"Run time: {sum(timed) / 60:.1f} min summed over runs, {sum(timed) / len(timed):.0f} s per "
-                     "run on average (including its share of evaluations, excluding the shared warm-up)"
-                     + (f"; wall clock first start to last end {(max(e for _, e in spans) - min(s for s, _ in spans)) / 60000:.1f} min."
-                        if spans else "."))
+        lines.append(
+            f"Run time: {sum(timed) / 60:.1f} min summed over runs, {sum(timed) / len(timed):.0f} s per "
+            "run on average (including its share of evaluations, excluding the shared warm-up)"
+            + (
+                f"; wall clock first start to last end {(max(e for _, e in spans) - min(s for s, _ in spans)) / 60000:.1f} min."
+                if spans
+                else "."
+            )
+        )
     commits = sorted({r.commit for r in summary.completed if r.commit})
     if commits:
         dirty = any(c.endswith("+dirty") for c in commits)
-        lines.append(f"Code: commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (MLflow tag `git.commit`"
-                     + ("; +dirty: run from a working tree with uncommitted changes)." if dirty else ")."))
+        lines.append(
+            f"Code: commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} (MLflow tag `git.commit`"
+            + ("; +dirty: run from a working tree with uncommitted changes)." if dirty else ").")
+        )
     rel = figure.relative_to(doc_dir) if figure.is_relative_to(doc_dir) else figure
     finals = rel.with_name(rel.stem + "_final.png")
-    lines += ["", f"![{study.name}: final values]({finals.as_posix()})", "", f"![{study.name}]({rel.as_posix()})", "",
-              "| cell | n | held-out avg@k start → end | final reward | entropy start → end | collapsed | "
-              "c_low | c_high | rho | target met | grad norm |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"![{study.name}: final values]({finals.as_posix()})",
+        "",
+        f"![{study.name}]({rel.as_posix()})",
+        "",
+        (
+            "| cell | n | held-out avg@k start → end | final reward | entropy start → end | collapsed | "
+            "c_low | c_high | rho | target met | grad norm |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cell in study.cells_for(summary.mode):
         s = summary.cells[cell.name]
         n = s["heldout_end"][2]
@@ -367,7 +476,8 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
             f"| {cell.name} | {n} | {fmt(*s['heldout_start'][:2])} → {fmt(*s['heldout_end'][:2])} | "
             f"{fmt(*s['reward_end'][:2])} | {fmt(*s['entropy_start'][:2])} → {fmt(*s['entropy_end'][:2])} | "
             f"{collapsed} | {fmt(*s['c_low'][:2], 2)} | {fmt(*s['c_high'][:2], 2)} | {fmt(*s['rho'][:2])} | "
-            f"{target} | {fmt(*s['grad_norm'][:2])} |")
+            f"{target} | {fmt(*s['grad_norm'][:2])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -376,8 +486,10 @@ def update_doc(doc: Path, key: str, body: str) -> None:
     begin, end = f"<!-- BEGIN generated {key} -->", f"<!-- END generated {key} -->"
     text = doc.read_text() if doc.is_file() else "# Results\n"
     block = f"{begin}\n{body}{end}"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{block}\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    text = (
+        pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{block}\n"
+    )
     doc.write_text(text)
 
 
@@ -386,18 +498,26 @@ def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]
     figure = plot_study(summary, out_dir / f"{summary.study.name}.png")
     plot_finals(summary, out_dir / f"{summary.study.name}_final.png")
     data = {
-        "study": summary.study.name, "mode": summary.mode, "max_steps": summary.budget.max_steps,
+        "study": summary.study.name,
+        "mode": summary.mode,
+        "max_steps": summary.budget.max_steps,
         "seeds": list(summary.budget.seeds),
         "completed": [r.spec.run_name for r in summary.completed],
         "not_completed": {r.spec.run_name: r.reason for r in summary.missing},
-        "cells": {name: {k: {"mean": _json_num(m), "std": _json_num(s), "n": n} for k, (m, s, n) in stats.items()}
-                  for name, stats in summary.cells.items()},
-        "runs": {name: {k: _json_num(v) for k, v in stats.items()} for name, stats in summary.per_run.items()},
+        "cells": {
+            name: {k: {"mean": _json_num(m), "std": _json_num(s), "n": n} for k, (m, s, n) in stats.items()}
+            for name, stats in summary.cells.items()
+        },
+        "runs": {
+            name: {k: _json_num(v) for k, v in stats.items()} for name, stats in summary.per_run.items()
+        },
         "run_seconds": {r.spec.run_name: r.seconds for r in summary.completed if r.seconds},
     }
     table = out_dir / f"{summary.study.name}.json"
     table.write_text(json.dumps(data, indent=1) + "\n")
-    update_doc(docs / "results.md", f"{summary.mode}/{summary.study.name}", markdown_section(summary, figure, docs))
+    update_doc(
+        docs / "results.md", f"{summary.mode}/{summary.study.name}", markdown_section(summary, figure, docs)
+    )
     return figure, table
 
 
@@ -406,9 +526,14 @@ def _json_num(x: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.summarize", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("studies", nargs="+", metavar="STUDY", help=f"one or more of: {', '.join(STUDIES)}, or all")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.summarize",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "studies", nargs="+", metavar="STUDY", help=f"one or more of: {', '.join(STUDIES)}, or all"
+    )
     parser.add_argument("--quick", action="store_true", help="summarize the --quick runs")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--docs", type=Path, default=DOCS, help="where results.md and results/ go")
@@ -421,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         summary = summarize_study(name, mode, args.root)
         figure, table = write_outputs(summary, args.docs)
-        print(f"{name} ({mode}): {len(summary.completed)}/{len(summary.records)} runs completed -> {figure}, {table}",
-              file=sys.stderr)
+        print(
+            f"{name} ({mode}): {len(summary.completed)}/{len(summary.records)} runs completed -> {figure}, {table}",
+            file=sys.stderr,
+        )
     return 0
 
 

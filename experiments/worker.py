@@ -33,8 +33,12 @@ def seed_warmup_cache(warmup_from: Path, output_dir: Path) -> None:
 def flush_tracking(summary: dict, experiment: str, output_dir: Path, attempts: int = 6) -> int:
     """Replay what the trainer's tracker could not send (two runs share one sqlite store, so a write can
     meet a locked database); returns the records still waiting (they stay journaled, nothing is lost)."""
-    tracker = MlflowTracker(summary["mlflow_tracking_uri"], experiment, run_id=summary["mlflow_run_id"],
-                            buffer_dir=output_dir / "mlflow_buffer")
+    tracker = MlflowTracker(
+        summary["mlflow_tracking_uri"],
+        experiment,
+        run_id=summary["mlflow_run_id"],
+        buffer_dir=output_dir / "mlflow_buffer",
+    )
     remaining = tracker.flush()
     for _ in range(attempts - 1):
         if remaining == 0:
@@ -57,13 +61,19 @@ def main(argv: list[str] | None = None) -> int:
         seed_warmup_cache(Path(spec["warmup_from"]), output_dir)
     summary = train(config, output_dir, resume=True)
     if summary["stopped_by_signal"] or summary["step"] < config.train.max_steps:
-        print(f"stopped at step {summary['step']} of {config.train.max_steps} "
-              f"({summary['stopped_by_signal'] or 'incomplete'}); rerun the study to resume", file=sys.stderr)
+        print(
+            f"stopped at step {summary['step']} of {config.train.max_steps} "
+            f"({summary['stopped_by_signal'] or 'incomplete'}); rerun the study to resume",
+            file=sys.stderr,
+        )
         return 3
     remaining = flush_tracking(summary, config.tracking.experiment_name, output_dir)
     if remaining:
-        print(f"{remaining} MLflow records still journaled in {output_dir / 'mlflow_buffer'}; rerun the study to "
-              "replay them", file=sys.stderr)
+        print(
+            f"{remaining} MLflow records still journaled in {output_dir / 'mlflow_buffer'}; rerun the study to "
+            "replay them",
+            file=sys.stderr,
+        )
         return 4
     return 0
 

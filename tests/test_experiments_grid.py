@@ -34,8 +34,11 @@ def test_staleness_grid_full_and_quick():
     assert fixed8["seed"] == 2 and fixed8["train.max_steps"] == BUDGETS["full"].max_steps
     higher1 = cells[("updates=1/method=clip_higher", 0)].overrides
     assert higher1["train.updates_per_batch"] == 1
-    assert (higher1["loss.bapo.enabled"], higher1["loss.bapo.c_low_min"], higher1["loss.bapo.c_high_min"]) == (
-        False, 0.8, 1.28)
+    assert (
+        higher1["loss.bapo.enabled"],
+        higher1["loss.bapo.c_low_min"],
+        higher1["loss.bapo.c_high_min"],
+    ) == (False, 0.8, 1.28)
     bapo4 = cells[("updates=4/method=bapo", 1)].overrides
     assert bapo4["loss.bapo.enabled"] is True and "loss.bapo.c_low_min" not in bapo4  # paper grids
 
@@ -43,7 +46,11 @@ def test_staleness_grid_full_and_quick():
     # quick keeps updates 1 and 8 x {fixed, bapo} x 2 seeds, and fewer steps
     assert len(quick) == 2 * 2 * 2 == 8
     assert {(r.overrides["train.updates_per_batch"], r.cell.labels["method"]) for r in quick} == {
-        (1, "fixed"), (1, "bapo"), (8, "fixed"), (8, "bapo")}
+        (1, "fixed"),
+        (1, "bapo"),
+        (8, "fixed"),
+        (8, "bapo"),
+    }
     assert {r.overrides["train.max_steps"] for r in quick} == {BUDGETS["quick"].max_steps}
 
 
@@ -51,14 +58,21 @@ def test_partial_and_ablation_grids():
     partial = expand("partial", "full")
     assert len(partial) == (3 + 1) * 3 == 12  # BAPO at budgets 16/32/off, fixed clip at 32; 3 seeds
     base = load_config(BASE_CONFIG)
-    budgets = {r.display_cell.labels["budget"]: load_config(BASE_CONFIG, r.override_list()).rollout.partial.token_budget
-               for r in partial if r.display_cell.labels["method"] == "bapo"}
+    budgets = {
+        r.display_cell.labels["budget"]: load_config(
+            BASE_CONFIG, r.override_list()
+        ).rollout.partial.token_budget
+        for r in partial
+        if r.display_cell.labels["method"] == "bapo"
+    }
     off = base.rollout.partial.max_response_tokens
     assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
     # budget 32 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
     reused = {(r.display_cell.name, r.study, r.cell.name) for r in partial if r.shown_as}
-    assert reused == {("budget=32/method=fixed", "staleness", "updates=2/method=fixed"),
-                      ("budget=32/method=bapo", "staleness", "updates=2/method=bapo")}
+    assert reused == {
+        ("budget=32/method=fixed", "staleness", "updates=2/method=fixed"),
+        ("budget=32/method=bapo", "staleness", "updates=2/method=bapo"),
+    }
     assert len(expand("partial", "quick")) == 2 * 1 * 2  # budgets 16/off, BAPO only, 2 seeds
     assert len(expand("order", "quick")) == len(expand("rho0", "quick")) == 2 * 2  # two arms, two seeds
 
@@ -74,10 +88,15 @@ def test_partial_and_ablation_grids():
     assert measure[("measure=value", 0)].overrides["loss.bapo.measure"] == "value"
     # rho0's default arm (0.4) is BAPO at 4 updates of the staleness study; measure and order run at
     # rho0 = 0.5 and their default arm (gradient, paper order) is the rho0 study's 0.5 cell
-    staleness_bapo4 = {r.seed: r for r in expand("staleness", "full") if r.cell.name == "updates=4/method=bapo"}
+    staleness_bapo4 = {
+        r.seed: r for r in expand("staleness", "full") if r.cell.name == "updates=4/method=bapo"
+    }
     rho05 = {r.seed: r for r in expand("rho0", "full") if r.cell.name == "rho0=0.5"}
-    for study, arm, home, runs in (("measure", "measure=gradient", "rho0", rho05), ("order", "order=paper", "rho0", rho05),
-                                   ("rho0", "rho0=0.4", "staleness", staleness_bapo4)):
+    for study, arm, home, runs in (
+        ("measure", "measure=gradient", "rho0", rho05),
+        ("order", "order=paper", "rho0", rho05),
+        ("rho0", "rho0=0.4", "staleness", staleness_bapo4),
+    ):
         for r in expand(study, "full"):
             if r.display_cell.name == arm:
                 assert r.study == home and r.run_name == runs[r.seed].run_name
@@ -86,8 +105,10 @@ def test_partial_and_ablation_grids():
                 assert r.study == study and r.shown_as is None
                 if study != "rho0":
                     assert r.overrides["loss.bapo.rho0"] == 0.5
-    rho0 = {r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss.bapo.rho0
-            for r in expand("rho0", "full")}
+    rho0 = {
+        r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss.bapo.rho0
+        for r in expand("rho0", "full")
+    }
     assert rho0 == {"rho0=0.3": 0.3, "rho0=0.4": 0.4, "rho0=0.5": 0.5}
     gran = _by_cell(expand("granularity", "full"))
     for arm in ("microbatch", "step"):
@@ -96,7 +117,10 @@ def test_partial_and_ablation_grids():
     order = {(r.display_cell.name, r.seed): r for r in expand("order", "full")}
     recipe = order[("order=authors_recipe", 0)].overrides
     assert (recipe["loss.bapo.order"], recipe["loss.bapo.measure"], recipe["loss.bapo.dual_clip"]) == (
-        "reference", "value", 3.0)
+        "reference",
+        "value",
+        3.0,
+    )
     assert order[("order=reference", 0)].overrides["loss.bapo.order"] == "reference"
 
 
@@ -111,6 +135,7 @@ def test_run_names_and_fingerprints_are_unique():
     # tracking keys do not change what a run computes
     r = runs[0]
     from experiments.grid import fingerprint
+
     assert fingerprint({**r.overrides, "tracking.run_name": "x"}) == r.fingerprint
 
 

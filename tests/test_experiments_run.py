@@ -8,9 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.grid import Budget, expand  # noqa: E402
-from experiments.run import (  # noqa: E402
-    DONE, SPEC, main, move_aside, plan, run_dir, run_status, run_studies, warmup_dir)
+from experiments.grid import Budget, expand
+from experiments.run import DONE, SPEC, main, move_aside, plan, run_dir, run_status, run_studies, warmup_dir
 
 
 def _make(path: Path, fingerprint: str, done: bool) -> None:
@@ -84,8 +83,9 @@ def test_export_commit_is_a_clean_copy_of_that_commit(tmp_path):
 
     code_dir, sha = export_commit(tmp_path, "HEAD")
     assert code_dir == tmp_path / "_code" / sha and len(sha) == 40
-    committed = subprocess.run(["git", "show", f"{sha}:experiments/base.yaml"], cwd=REPO, capture_output=True,
-                               check=True).stdout
+    committed = subprocess.run(
+        ["git", "show", f"{sha}:experiments/base.yaml"], cwd=REPO, capture_output=True, check=True
+    ).stdout
     assert (code_dir / "experiments" / "base.yaml").read_bytes() == committed
     assert (code_dir / "bapo_nemo" / "algorithm" / "bapo.py").is_file()
     assert export_commit(tmp_path, sha) == (code_dir, sha)  # made once, then reused

@@ -12,14 +12,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.grid import Budget, Cell, Study, expand  # noqa: E402
-from experiments.run import experiment_name, tracking_uri  # noqa: E402
-from experiments.summarize import mean_std, run_stats, summarize_study, update_doc, write_outputs  # noqa: E402
+from experiments.grid import Budget, Cell, Study, expand
+from experiments.run import experiment_name, tracking_uri
+from experiments.summarize import mean_std, run_stats, summarize_study, update_doc, write_outputs
 
 # 10 RL steps: the final window W is round(0.2 * 10) = 2 steps, so "start" = steps 1-2, "end" = steps 9-10.
 BUDGET = Budget(max_steps=10, eval_every=5, seeds=(0, 1))
-TOY = Study("toy", "Two arms of a toy study.",
-            (Cell({"arm": "a"}, {"loss.bapo.rho0": 0.3}), Cell({"arm": "b"}, {"loss.bapo.rho0": 0.5})))
+TOY = Study(
+    "toy",
+    "Two arms of a toy study.",
+    (Cell({"arm": "a"}, {"loss.bapo.rho0": 0.3}), Cell({"arm": "b"}, {"loss.bapo.rho0": 0.5})),
+)
 STEPS = range(1, 11)
 
 
@@ -65,9 +68,11 @@ def _log(client, experiment_id, name, history, finished=True):
     from mlflow.entities import Metric
 
     run = client.create_run(experiment_id, run_name=name)
-    metrics = [Metric(k, v, 1_000 + step, step) for k, series in history.items() for step, v in series.items()]
+    metrics = [
+        Metric(k, v, 1_000 + step, step) for k, series in history.items() for step, v in series.items()
+    ]
     for i in range(0, len(metrics), 900):
-        client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
+        client.log_batch(run.info.run_id, metrics=metrics[i : i + 900])
     if finished:
         client.set_terminated(run.info.run_id, "FINISHED")
 
@@ -79,8 +84,9 @@ def toy_store(tmp_path):
     root = tmp_path / "runs"
     (root / "full" / "toy").mkdir(parents=True)
     client = MlflowClient(tracking_uri=tracking_uri(root, "full", "toy"))
-    exp = client.create_experiment(experiment_name("toy", "full"),
-                                   artifact_location=(tmp_path / "artifacts").as_uri())
+    exp = client.create_experiment(
+        experiment_name("toy", "full"), artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     specs = {(r.cell.labels["arm"], r.seed): r for r in expand(TOY, "full", BUDGET)}
     _log(client, exp, specs[("a", 0)].run_name, A0)
     _log(client, exp, specs[("a", 1)].run_name, A1)
@@ -112,7 +118,11 @@ def test_mean_std_arithmetic():
 def test_summary_from_mlflow_store(toy_store, tmp_path):
     summary = summarize_study(TOY, "full", toy_store, BUDGET)
     assert len(summary.records) == 4
-    assert sorted((r.spec.cell.labels["arm"], r.spec.seed) for r in summary.completed) == [("a", 0), ("a", 1), ("b", 0)]
+    assert sorted((r.spec.cell.labels["arm"], r.spec.seed) for r in summary.completed) == [
+        ("a", 0),
+        ("a", 1),
+        ("b", 0),
+    ]
     (missing,) = summary.missing
     assert (missing.spec.cell.labels["arm"], missing.spec.seed) == ("b", 1)
     assert "last logged step 4 of 10" in missing.reason
@@ -129,7 +139,11 @@ def test_summary_from_mlflow_store(toy_store, tmp_path):
     # target met 0.5 and 0 -> 0.25; one of two seeds collapsed -> 0.5
     assert a["target_met"][0] == pytest.approx(0.25) and a["collapsed"][0] == 0.5
     b = summary.cells["arm=b"]
-    assert b["heldout_end"][2] == 1 and b["heldout_end"][0] == pytest.approx(0.4) and math.isnan(b["heldout_end"][1])
+    assert (
+        b["heldout_end"][2] == 1
+        and b["heldout_end"][0] == pytest.approx(0.4)
+        and math.isnan(b["heldout_end"][1])
+    )
 
     docs = tmp_path / "docs"
     docs.mkdir()
