@@ -89,3 +89,26 @@ def test_export_commit_is_a_clean_copy_of_that_commit(tmp_path):
     assert (code_dir / "experiments" / "base.yaml").read_bytes() == committed
     assert (code_dir / "bapo_nemo" / "algorithm" / "bapo.py").is_file()
     assert export_commit(tmp_path, sha) == (code_dir, sha)  # made once, then reused
+
+
+def test_warmup_cache_is_copied_once_and_never_overwritten(tmp_path):
+    from experiments.worker import seed_warmup_cache
+
+    source = tmp_path / "warm"
+    (source / "warmup" / "model").mkdir(parents=True)
+    (source / "warmup" / "info.json").write_text('{"key": 1}')
+    (source / "warmup" / "model" / "model.safetensors").write_bytes(b"weights")
+    run = tmp_path / "run"
+    run.mkdir()
+    seed_warmup_cache(source, run)
+    assert (run / "warmup" / "model" / "model.safetensors").read_bytes() == b"weights"
+    assert not (run / "warmup.copying").exists()
+    # a run that already has a cache (e.g. a resumed one) keeps its own
+    (run / "warmup" / "info.json").write_text('{"key": 2}')
+    seed_warmup_cache(source, run)
+    assert (run / "warmup" / "info.json").read_text() == '{"key": 2}'
+    # no usable source (no info.json): nothing is copied
+    other = tmp_path / "other"
+    other.mkdir()
+    seed_warmup_cache(tmp_path / "missing", other)
+    assert not (other / "warmup").exists()
