@@ -333,3 +333,13 @@ def test_table_lookup_buckets_equal_binary_search_at_and_around_every_edge(dtype
         torch.tensor([0.0, 1e-30, 1e30], dtype=dtype),
     ])
     assert torch.equal(_bucket(r, edges), torch.searchsorted(edges, r))
+
+
+def test_a_tiny_negative_mass_is_not_cancelled_away():
+    # Found by hypothesis: unmasked tokens (r, A) = (0.368, -2) and (1.0, -1.4e-273). At c_low = 0.6 the
+    # first is clipped, so N = 1.4e-273 > 0 and P = 0: rho = 0, the target is unmet and the search must
+    # climb. Computing N as total - prefix gives 0.7358 - 0.7358 = 0 and a wrong "met at once".
+    r = tokens([math.exp(-1.0), 1.0])
+    a = tokens([-2.0, -1.4302e-273])
+    res = search_clip_bounds(r, a, torch.ones(2), BAPOConfig(measure="gradient"))
+    assert res.negative_mass > 0 and res.rho == 0.0 and not res.target_met and res.steps == 51

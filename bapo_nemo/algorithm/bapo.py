@@ -178,6 +178,10 @@ def _token_histograms(ratio, advantages, mask, weights, edges: _Edges, with_abs_
     return hist.reshape(-1)
 
 
+def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
+    return torch.flip(torch.cumsum(torch.flip(x, [0]), 0), [0])
+
+
 def _masses_on_grid(hist: torch.Tensor, edges: _Edges, measure: str):
     """P for every c_high and N for every c_low, from the reduced histograms (host side, tiny).
 
@@ -205,9 +209,10 @@ def _masses_on_grid(hist: torch.Tensor, edges: _Edges, measure: str):
     dual = {name: (h[u + beyond_dual] if beyond_dual is not None else torch.tensor(0.0, dtype=torch.float64))
             for name, h in (("count", count), ("ar", abs_ar), ("a", abs_a))}
 
+    # Sums above a bucket are suffix sums, not total - prefix: a tiny mass must not cancel away.
     pos_ar_below = torch.cumsum(pos["ar"], 0)[:-1]  # r <= c_high[k]
-    pos_a_above = pos["a"].sum() - torch.cumsum(pos["a"], 0)[:-1]  # r > c_high[k]
-    neg_ar_above = neg["ar"].sum() - torch.cumsum(neg["ar"], 0)[:-1]  # c_low[j] <= r (<= dual)
+    pos_a_above = _suffix_sums(pos["a"])[1:]  # r > c_high[k]
+    neg_ar_above = _suffix_sums(neg["ar"])[1:]  # c_low[j] <= r (<= dual)
     neg_a_below = torch.cumsum(neg["a"], 0)[:-1]  # r < c_low[j]
     if measure == "value":
         p = pos_ar_below + grid_high * pos_a_above
