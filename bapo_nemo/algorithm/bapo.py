@@ -302,7 +302,11 @@ def search_clip_bounds(
     lows, highs = _search_path(config, len(edges.low), len(edges.high))
     p_path, n_path = p[torch.tensor(highs)], n[torch.tensor(lows)]
     rho_path = _share(p_path, n_path, config)
-    met = rho_path >= (config.rho0 - _RHO_TOLERANCE)
+    if config.order == "reference":
+        # The authors' test, verbatim: P / (N + eps) >= q, and N <= 0 counts as met (their `inf`).
+        met = (n_path <= 0) | (p_path / (n_path + config.pn_eps) >= config.pn_target)
+    else:
+        met = rho_path >= (config.rho0 - _RHO_TOLERANCE)
     stop = int(torch.argmax(met.to(torch.int8))) if bool(met.any()) else len(lows) - 1
     j, i = lows[stop], highs[stop]
 
