@@ -33,6 +33,19 @@ RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def throughput(tokens: float, wall_seconds: float, cpu_seconds: float, lengths: list[float]) -> dict:
+    """One trainer's figures, the same fields for ours and TRL's (one entry of `lengths` per timed step)."""
+    return {
+        "tokens": tokens,
+        "wall_seconds": wall_seconds,
+        "cpu_seconds": cpu_seconds,
+        "tokens_per_s": tokens / cpu_seconds,
+        "wall_tokens_per_s": tokens / wall_seconds,
+        "mean_completion_length": sum(lengths) / len(lengths),
+        "steps": len(lengths),
+    }
+
+
 def run_ours(args, partial: bool, granularity: str = "step") -> dict:
     overrides = [
         "warmup.steps=0",
@@ -61,15 +74,7 @@ def run_ours(args, partial: bool, granularity: str = "step") -> dict:
     seconds = sum(r["perf/step_time_s"] for r in steps)
     cpu = sum(r["perf/step_cpu_s"] for r in steps)
     lengths = [r["train/response_length_mean"] for r in steps]
-    return {
-        "tokens": tokens,
-        "wall_seconds": seconds,
-        "cpu_seconds": cpu,
-        "tokens_per_s": tokens / cpu,
-        "wall_tokens_per_s": tokens / seconds,
-        "mean_completion_length": sum(lengths) / len(lengths),
-        "steps": len(steps),
-    }
+    return throughput(tokens, seconds, cpu, lengths)
 
 
 def run_trl(args) -> dict:
@@ -140,15 +145,7 @@ def run_trl(args) -> dict:
     lengths = [log["completions/mean_length"] for log in step_logs][1:]
     seconds, cpu = sum(clock.times[1:]), sum(clock.cpu[1:])
     tokens = sum(length * args.prompts * args.group_size for length in lengths)
-    return {
-        "tokens": tokens,
-        "wall_seconds": seconds,
-        "cpu_seconds": cpu,
-        "tokens_per_s": tokens / cpu,
-        "wall_tokens_per_s": tokens / seconds,
-        "mean_completion_length": sum(lengths) / len(lengths),
-        "steps": len(lengths),
-    }
+    return throughput(tokens, seconds, cpu, lengths)
 
 
 def main() -> None:
