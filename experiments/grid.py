@@ -60,7 +60,7 @@ class Budget:
 
 
 BUDGETS: dict[str, Budget] = {
-    "full": Budget(max_steps=30, eval_every=10, seeds=(0, 1, 2)),
+    "full": Budget(max_steps=40, eval_every=10, seeds=(0, 1, 2)),
     "quick": Budget(max_steps=10, eval_every=5, seeds=(0, 1)),
 }
 
@@ -170,8 +170,8 @@ def _staleness() -> Study:
 
 
 def _partial() -> Study:
-    # 32 is base.yaml's budget: those cells are the staleness study's 2-update cells, whose runs are reused.
-    budgets = {"16": 16, "32": None, "off": PARTIAL_OFF_BUDGET}
+    # 16 is base.yaml's budget: those cells are the staleness study's 2-update cells, whose runs are reused.
+    budgets = {"16": None, "32": 32, "off": PARTIAL_OFF_BUDGET}
     cells = tuple(
         Cell(
             {"budget": b, "method": m},
@@ -186,7 +186,7 @@ def _partial() -> Study:
         for m in ("bapo",)
     ) + (
         Cell(
-            {"budget": "32", "method": "fixed"},
+            {"budget": "16", "method": "fixed"},
             {"train.updates_per_batch": 2, **FIXED_CLIP},
             same_as=("staleness", "updates=2/method=fixed"),
         ),
@@ -194,7 +194,7 @@ def _partial() -> Study:
     return Study(
         "partial",
         "BAPO with partial-rollout token budgets per iteration of 16 / 32 / off, 2 updates per batch (and "
-        "fixed clip at budget 32 for reference).",
+        "fixed clip at budget 16 for reference).",
         cells,
         row_axis=None,
         quick_keep=({"budget": "16", "method": "bapo"}, {"budget": "off", "method": "bapo"}),
@@ -257,7 +257,8 @@ def _studies() -> dict[str, Study]:
             reuse=ACTIVE_ARM,
         ),
         # micro_batch_size 8 (one prompt group) so that a mini-batch spans several loss calls and the two
-        # granularities actually differ; with the default 64 a mini-batch is a single micro-batch.
+        # granularities actually differ; with the default 32 a mini-batch (128 sequences / 4 updates) is a
+        # single micro-batch.
         _ablation(
             "granularity",
             "Bound search per micro-batch (8 sequences) vs per optimizer step, "

@@ -56,7 +56,7 @@ def test_staleness_grid_full_and_quick():
 
 def test_partial_and_ablation_grids():
     partial = expand("partial", "full")
-    assert len(partial) == (3 + 1) * 3 == 12  # BAPO at budgets 16/32/off, fixed clip at 32; 3 seeds
+    assert len(partial) == (3 + 1) * 3 == 12  # BAPO at budgets 16/32/off, fixed clip at 16; 3 seeds
     base = load_config(BASE_CONFIG)
     budgets = {
         r.display_cell.labels["budget"]: load_config(
@@ -67,11 +67,11 @@ def test_partial_and_ablation_grids():
     }
     off = base.rollout.partial.max_response_tokens
     assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
-    # budget 32 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
+    # budget 16 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
     reused = {(r.display_cell.name, r.study, r.cell.name) for r in partial if r.shown_as}
     assert reused == {
-        ("budget=32/method=fixed", "staleness", "updates=2/method=fixed"),
-        ("budget=32/method=bapo", "staleness", "updates=2/method=bapo"),
+        ("budget=16/method=fixed", "staleness", "updates=2/method=fixed"),
+        ("budget=16/method=bapo", "staleness", "updates=2/method=bapo"),
     }
     assert len(expand("partial", "quick")) == 2 * 1 * 2  # budgets 16/off, BAPO only, 2 seeds
     assert len(expand("order", "quick")) == len(expand("rho0", "quick")) == 2 * 2  # two arms, two seeds
