@@ -312,8 +312,9 @@ def test_all_reduce_is_called_exactly_once():
 
     search_clip_bounds(torch.rand(100) + 0.5, torch.randn(100), torch.ones(100), BAPOConfig(), counting_sum)
     # one call carrying every histogram: edges = 16 c_low + 37 c_high = 53 -> 54 buckets;
-    # bins = 2 * 54 (by sign) + 2 (zero advantage, masked) = 110; 5 statistics -> 550 numbers
-    assert calls == [550]
+    # bins = 3 * 54 (positive, negative, zero advantage) + 1 (masked) = 163; 3 statistics per bin, plus
+    # the sums of r and log r -> 3 * 163 + 2 = 491 numbers
+    assert calls == [491]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

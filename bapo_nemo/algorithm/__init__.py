@@ -1,4 +1,5 @@
-"""BAPO's math: config, bound search and loss. Depends on torch and pydantic only."""
+"""BAPO's math: config, bound search and loss. Depends on torch and pydantic (numba, when present, fuses
+the search's token pass on CPU)."""
 
 from bapo_nemo.algorithm.bapo import (
     AllReduce,

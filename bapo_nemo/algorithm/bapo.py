@@ -11,12 +11,15 @@ of up to ~51 of each (see `search_clip_bounds`).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
+from bapo_nemo.algorithm import fused_cpu
 from bapo_nemo.algorithm.config import BAPOConfig
 
 LOG_RATIO_CLAMP = 20.0
@@ -99,33 +102,62 @@ class _Edges:
 
 # Finer lookup tables than this fall back to a binary search (only for pathological grids).
 _MAX_LOOKUP_CELLS = 1 << 16
+# Ratios of these dtypes are bucketed through their bit patterns (other float dtypes via float32).
+_BITS_OF = {torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
+
+
+@functools.lru_cache(maxsize=64)
+def _lookup_tables(edge_bits: tuple[int, ...], int_dtype: torch.dtype, width: int, device: str):
+    """Tables that place a ratio among the edges from its bit pattern, or None (use a binary search).
+
+    Non-negative floats order like their bit patterns read as integers. Cut the bit patterns into cells
+    by their top bits (`bits >> shift`), coarse enough for a small table and fine enough that each cell
+    holds at most one edge. Then #{edges < r} = below[cell] + (bits(r) > inside[cell]), where `below`
+    counts the edges under the cell and `inside` is the cell's own edge (the dtype's max if none).
+    """
+    if len(set(edge_bits)) < len(edge_bits) or min(edge_bits) < 0:
+        return None  # tied or negative edges: a cell would need two edges
+    shift = next(s for s in range(width - 2, -1, -1) if len({b >> s for b in edge_bits}) == len(edge_bits))
+    # One empty cell either side: every bit pattern outside the edges' cells clamps to an empty cell
+    # whose `below` is right for it (0 under the edges; all of them above, incl. +inf and NaN).
+    first, last = (edge_bits[0] >> shift) - 1, (edge_bits[-1] >> shift) + 1
+    if last - first + 1 > _MAX_LOOKUP_CELLS:
+        return None
+    below = [bisect.bisect_left(edge_bits, (first + c) << shift) for c in range(last - first + 1)]
+    inside = [torch.iinfo(int_dtype).max] * len(below)
+    for b in edge_bits:
+        inside[(b >> shift) - first] = b
+    as_tensor = functools.partial(torch.tensor, dtype=int_dtype, device=device)
+    return shift, first, last, as_tensor(below), as_tensor(inside)
+
+
+def _tables_for(r: torch.Tensor, edges: torch.Tensor):
+    """(integer view dtype, `_lookup_tables`) for ratios like `r`, or (None, None): binary search."""
+    int_dtype, width = _BITS_OF.get(r.dtype, (None, 0))
+    if int_dtype is None:
+        return None, None
+    edge_bits = tuple(int(b) for b in edges.to(r.dtype).view(int_dtype).tolist())
+    return int_dtype, _lookup_tables(edge_bits, int_dtype, width, str(r.device))
 
 
 def _bucket(r: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """#{edges < r} per token, exactly, for sorted host-side `edges` of r's dtype.
+    """#{edges < r} per token, exactly, for sorted host-side `edges` of r's dtype (any shape of r).
 
-    A binary search (`searchsorted`) costs about as much as the whole plain loss on CPU. The edges are
-    a few known points, so: split [edges[0], edges[-1]] into cells of half the smallest gap (at most one
-    edge per cell), look up the count at each cell's start in a small table, and correct by one with
-    the neighbouring edges, which also absorbs any rounding in the cell index.
+    A binary search (`searchsorted`) costs about as much as the whole plain loss on CPU; this is five
+    integer passes over the tokens and two lookups in tables of ~150 entries (`_lookup_tables`).
     """
-    values = edges.tolist()
-    gaps = [b - a for a, b in zip(values, values[1:])]
-    width = min(gaps) / 2 if gaps else 1.0
-    n_cells = int((values[-1] - values[0]) / width) + 2 if gaps else 1
-    if not gaps or n_cells > _MAX_LOOKUP_CELLS or min(gaps) <= 0:
+    if r.dtype not in _BITS_OF and r.is_floating_point():
+        # float16/bfloat16 widen to float32 exactly, so the comparisons are unchanged.
+        r, edges = r.float(), edges.float()
+    int_dtype, tables = _tables_for(r, edges)
+    if tables is None:
         return torch.searchsorted(edges.to(r.device), r)
-    starts = torch.tensor([values[0] + c * width for c in range(n_cells + 1)], dtype=torch.float64)
-    table = torch.searchsorted(edges.double(), starts).to(r.device)  # #{edges < cell start}
-    inf = torch.full((1,), math.inf, dtype=r.dtype)
-    next_edge, prev_edge = torch.cat([edges, inf]).to(r.device), torch.cat([-inf, edges]).to(r.device)
-    # Clamp in float (NaN stays NaN), then again as integers (NaN became garbage): non-finite ratios
-    # land somewhere in range and are caught by the caller through the non-finite sums.
-    cell = ((r - values[0]) * (1.0 / width)).clamp_(0, n_cells).long().clamp_(0, n_cells)
-    # index_select, not fancy indexing: several times faster for a small table on CPU.
-    b = table.index_select(0, cell)
-    b = b + (next_edge.index_select(0, b) < r).long()
-    return b - (prev_edge.index_select(0, b) >= r).long()
+    shift, first, last, below, inside = tables
+    bits = r.contiguous().view(int_dtype)
+    # Arithmetic shift: negative patterns (-0.0, negative NaN) stay negative and clamp to the first cell.
+    cell = (bits >> shift).clamp_(first, last).sub_(first).reshape(-1)
+    b = below.index_select(0, cell).view(r.shape)
+    return b.add_(bits > inside.index_select(0, cell).view(r.shape))
 
 
 def _edges(config: BAPOConfig) -> _Edges:
@@ -146,36 +178,53 @@ def _share(p: torch.Tensor, n: torch.Tensor, config: BAPOConfig) -> torch.Tensor
     return torch.where(n > 0, p / total.clamp_min(torch.finfo(total.dtype).tiny), torch.ones_like(p))
 
 
-def _token_histograms(ratio, advantages, mask, weights, edges: _Edges, with_abs_a: bool) -> torch.Tensor:
-    """The only pass over the tokens. Each token gets a bin code:
-    [0, U) positive tokens by bucket, [U, 2U) negative tokens by bucket, 2U zero advantage, 2U+1 masked.
-    Per bin, in float64: token count, sum |A| r, sum |A| (value measure only), sum r and sum log r (for
-    the ratio and KL metrics). A NaN/inf ratio or advantage makes its bin's sums non-finite, which the
-    caller detects on the host without a separate pass over the tokens.
+_ROWS = 3  # per-bin statistics: token count, sum |A| r, sum |A|
+
+
+def _token_statistics(ratio, advantages, mask, weights, edges: _Edges, with_abs_a: bool, log_ratio=None):
+    """The only pass over the tokens; returns [histograms (3 x bins) | sum r | sum log r] in float64.
+
+    Each token gets a bin code: [0, U) positive, [U, 2U) negative and [2U, 3U) zero-advantage tokens by
+    bucket, 3U masked. Per bin: token count, sum |A| r, and sum |A| (value measure only, else zeros).
+    The sums of r and log r over unmasked tokens feed the mean-ratio and KL metrics. A NaN/inf ratio or
+    advantage makes these sums non-finite, which the caller detects on the host without another pass.
+
+    `advantages` may be per sequence ([B, 1] against [B, T] ratios): the sign work is then per sequence.
     """
     u = edges.n_bins
-    n_bins = 2 * u + 2
-    r, a = ratio.reshape(-1), advantages.reshape(-1)
-    bucket = _bucket(r, edges.tensor(r.dtype))
-    code = torch.where(a > 0, bucket, torch.where(a < 0, bucket + u, 2 * u))
-    code.masked_fill_(mask.reshape(-1) <= 0, 2 * u + 1)
-    abs_ar = (r * a).abs_()
-    abs_a = a.abs() if with_abs_a else None
-    if weights is not None:
-        w = weights.reshape(-1)
-        abs_ar = abs_ar * w
-        abs_a = abs_a * w if abs_a is not None else None
-    hist = torch.zeros(5, n_bins, dtype=torch.float64, device=r.device)
-    # scatter_add_, not bincount: bincount validates its input with two extra passes.
-    hist[0].scatter_add_(0, code, torch.ones((), dtype=torch.float64, device=r.device).expand(code.shape))
-    hist[1].scatter_add_(0, code, abs_ar.to(torch.float64))
-    if abs_a is not None:
-        hist[2].scatter_add_(0, code, abs_a.to(torch.float64))
-    hist[3].scatter_add_(0, code, r.to(torch.float64))
+    if ratio.device.type == "cpu" and fused_cpu.available():
+        int_dtype, tables = _tables_for(ratio, edges.tensor(ratio.dtype))
+        if tables is not None:  # the same numbers in one fused loop (fused_cpu.py)
+            return fused_cpu.token_statistics(ratio, advantages, mask.detach(), weights, log_ratio, int_dtype,
+                                              tables, u, with_abs_a)
+    return _token_statistics_eager(ratio, advantages, mask, weights, edges, with_abs_a, log_ratio)
+
+
+def _token_statistics_eager(ratio, advantages, mask, weights, edges: _Edges, with_abs_a: bool,
+                            log_ratio=None):
+    """`_token_statistics` in PyTorch ops: any device and dtype (GPUs take this path)."""
+    u = edges.n_bins
+    n_bins = 3 * u + 1
+    r, a = ratio, advantages
+    masked = mask <= 0
+    # bucket + 2U, minus 2U for A > 0 and U for A < 0: the bin code without materialising any offset.
+    code = _bucket(r, edges.tensor(r.dtype)).add_(2 * u)
+    code = code.add_(a > 0, alpha=-2 * u).add_(a < 0, alpha=-u).masked_fill_(masked, 3 * u).reshape(-1)
+    abs_a = a.abs() if weights is None else a.abs() * weights
+    abs_ar = (r * abs_a).reshape(-1)  # = |A| r, since r >= 0 (NaN stays NaN)
+    hist = torch.zeros(_ROWS, n_bins, dtype=torch.float64, device=r.device)
+    # index_add_ takes int32 codes as they are (scatter_add_ would need an int64 copy).
+    hist[0].index_add_(0, code, torch.ones((), dtype=torch.float64, device=r.device).expand(code.shape))
+    hist[1].index_add_(0, code, abs_ar.double())
+    if with_abs_a:
+        hist[2].index_add_(0, code, abs_a.double().expand(r.shape).reshape(-1))
+    hist[1:, 3 * u] = 0.0  # masked tokens: whatever their values, keep them out of the collective
+    # Masked tokens read as r = 1 (log r = 0); the caller subtracts their count from the sum of r.
     # A zero ratio is legal (log -> -inf): floor it so that only NaN/inf inputs read as non-finite.
-    hist[4].scatter_add_(0, code, torch.log(r).clamp_min_(-100.0).to(torch.float64))
-    hist[1:, 2 * u + 1] = 0.0  # masked tokens: whatever their values, keep them out of the collective
-    return hist.reshape(-1)
+    r_kept = r.masked_fill(masked, 1.0)
+    log_r = torch.log(r_kept).clamp_min_(-100.0) if log_ratio is None else log_ratio.masked_fill(masked, 0.0)
+    totals = torch.stack([r_kept.sum(dtype=torch.float64), log_r.sum(dtype=torch.float64)])
+    return torch.cat([hist.reshape(-1), totals])
 
 
 def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
@@ -251,6 +300,7 @@ def search_clip_bounds(
     config: BAPOConfig,
     all_reduce: AllReduce | None = None,
     weights: torch.Tensor | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> ClipSearchResult:
     """Choose (c_low, c_high) for one update: BAPO's Algorithm 1, exactly, in one pass.
 
@@ -265,11 +315,14 @@ def search_clip_bounds(
     weights: optional per-token multipliers of the loss (importance-sampling correction); used in the
     measure in paper order (they scale each token's contribution), ignored in reference order (the
     authors' code applies them after the search).
+    log_ratio: the clamped log-ratio behind `ratio`, if the caller has it (saves a log per token; it
+    only feeds the KL metric).
     """
     ratio = ratio.detach()
-    if advantages.shape != ratio.shape:
-        advantages = advantages.expand_as(ratio)
     advantages = advantages.detach().to(ratio.dtype)
+    if torch.broadcast_shapes(advantages.shape, ratio.shape) != ratio.shape:
+        raise ValueError(f"advantages of shape {tuple(advantages.shape)} do not broadcast to the ratios' "
+                         f"{tuple(ratio.shape)}")
     if weights is not None and config.order == "paper":
         weights = weights.detach().to(ratio.dtype)
     else:
@@ -280,16 +333,19 @@ def search_clip_bounds(
         n_bad_local = bad.sum()
         mask = torch.where(bad, torch.zeros_like(mask), mask)
     edges = _edges(config)
-    packed = _token_histograms(ratio, advantages, mask, weights, edges, with_abs_a=config.measure == "value")
+    if log_ratio is not None:
+        log_ratio = log_ratio.detach().to(ratio.dtype)
+    packed = _token_statistics(ratio, advantages, mask, weights, edges, config.measure == "value", log_ratio)
     if n_bad_local is not None:
         packed = torch.cat([packed, n_bad_local.to(packed)[None]])
     if all_reduce is not None:
         packed = all_reduce(packed)
     packed = packed.cpu()  # the one host sync
     n_bad = int(packed[-1]) if n_bad_local is not None else 0
-    hist = (packed[:-1] if n_bad_local is not None else packed).reshape(5, -1)
     u = edges.n_bins
-    if not bool(torch.isfinite(hist[:, : 2 * u + 1]).all()):
+    n_hist = _ROWS * (3 * u + 1)
+    hist, totals = packed[:n_hist].reshape(_ROWS, -1), packed[n_hist : n_hist + 2]
+    if not (bool(torch.isfinite(hist[:, : 3 * u]).all()) and bool(torch.isfinite(totals).all())):
         # Every rank sees the same reduced sums, so every rank raises (none is left in a collective).
         n_bad = int((~torch.isfinite(ratio * advantages) & (mask > 0)).sum())
         raise NonFiniteInputError(
@@ -311,8 +367,8 @@ def search_clip_bounds(
     j, i = lows[stop], highs[stop]
 
     n_pos, n_neg = float(pos_count.sum()), float(neg_count.sum()) + float(dual_count)
-    num_tokens = float(hist[0, : 2 * u + 1].sum())
-    ratio_sum, log_ratio_sum = float(hist[3, : 2 * u + 1].sum()), float(hist[4, : 2 * u + 1].sum())
+    num_tokens = float(hist[0, : 3 * u].sum())
+    ratio_sum, log_ratio_sum = float(totals[0]) - float(hist[0, 3 * u]), float(totals[1])
 
     def frac(x: float, total: float) -> float:
         return x / total if total > 0 else 0.0
@@ -406,11 +462,11 @@ def bapo_policy_loss(
     Metrics (`bapo/...`) come from the search's histograms: global over `all_reduce`, and over the whole
     mini-batch when `bounds` comes from a per-step search.
     """
-    if advantages.shape != logprobs.shape:
-        advantages = advantages.expand_as(logprobs)
-    ratio = importance_ratio(logprobs, old_logprobs)
+    # importance_ratio's two steps, keeping the clamped log-ratio: the search's KL metric reuses it.
+    log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     if bounds is None:
-        bounds = search_clip_bounds(ratio, advantages, mask, config, all_reduce, importance_weights)
+        bounds = search_clip_bounds(ratio, advantages, mask, config, all_reduce, importance_weights, log_ratio)
     keep = mask > 0
     if config.nonfinite == "mask":
         # With "error" the search has already raised on any non-finite unmasked token.
@@ -418,6 +474,6 @@ def bapo_policy_loss(
     token_loss = clipped_surrogate(ratio, advantages, bounds.c_low, bounds.c_high, config.dual_clip)
     if importance_weights is not None:
         token_loss = token_loss * importance_weights
-    # torch.where, not a product with the mask: a NaN on a dropped token must not reach the sum.
-    loss = torch.where(keep, token_loss * mask, torch.zeros_like(token_loss)).sum() / global_num_tokens
+    # torch.where, not a product with the 0/1 mask: a NaN on a dropped token must not reach the sum.
+    loss = torch.where(keep, token_loss, 0.0).sum() / global_num_tokens
     return loss, bounds.as_metrics()
