@@ -7,12 +7,15 @@ numbers: the histograms bit for bit (same products in the ratios' dtype, same fl
 token order as `index_add_`), the sums of r and log r to rounding. `tests/test_algorithm_fused_cpu.py`
 holds it to the eager version.
 
-Used automatically for CPU tensors when numba is importable; everything else takes the eager path.
+Used automatically for CPU tensors when numba is importable (set BAPO_FUSED_CPU=0 to opt out); everything
+else takes the eager path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 
@@ -22,8 +25,23 @@ except ImportError:  # pragma: no cover - numba is a dependency; the eager path 
     numba = None
 
 
+_enabled = os.environ.get("BAPO_FUSED_CPU", "1") != "0"
+
+
 def available() -> bool:
-    return numba is not None
+    """True when CPU tensors take the fused loop (numba importable and BAPO_FUSED_CPU is not 0)."""
+    return numba is not None and _enabled
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the PyTorch path on CPU too (benchmarks and debugging)."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 if numba is not None:

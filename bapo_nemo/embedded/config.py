@@ -158,6 +158,12 @@ class TrainConfig(_Section):
     max_steps: int = Field(60, ge=0, description="RL steps (rollout batches).")
     updates_per_batch: int = Field(2, ge=1, description="Optimizer updates per rollout batch (staleness).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (length-sorted).")
+    step_search_graph_tokens: int = Field(
+        65536,
+        ge=0,
+        description="bapo.granularity=step: up to this many tokens in a mini-batch, keep the micro-batches' "
+        "autograd graphs until the bounds are known instead of running an extra no-grad forward (0: never).",
+    )
 
 
 class EvalConfig(_Section):

@@ -104,30 +104,45 @@ def policy_update(
     loss_cfg,
     micro_batch_size: int,
     grad_clip: float,
+    step_search_graph_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step on `batch` (one mini-batch). The ratio is taken against `old_logprobs`.
 
     bapo.granularity=step: one bound search over the whole mini-batch, which needs its current log-probs
-    before any backward, so an extra no-grad forward of the mini-batch runs first. microbatch: one search
-    inside each loss call, no extra forward.
+    before any backward. Up to `step_search_graph_tokens` tokens, the micro-batches' forwards run first
+    and keep their graphs (activation memory of the whole mini-batch, no extra compute); above it, an
+    extra no-grad forward of the mini-batch runs first. microbatch: one search inside each loss call.
     """
     bapo = loss_cfg.bapo
     n_tokens = batch.mask.sum().clamp_min(1.0)
+    micro_batches = length_sorted_micro_batches(batch, micro_batch_size)
+    model.train()
     bounds = None
+    forwards: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     if bapo.enabled and bapo.granularity == "step":
-        current = forward_logprobs(model, batch, micro_batch_size)
+        if float(batch.attention_mask.sum()) <= step_search_graph_tokens:
+            forwards, current = [], torch.zeros_like(old_logprobs)
+            for rows in micro_batches:
+                micro = batch.select(rows)
+                lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
+                forwards.append((lp, entropy))
+                current[torch.tensor(rows), : lp.shape[1]] = lp.detach()
+        else:
+            current = forward_logprobs(model, batch, micro_batch_size)
         ratio = importance_ratio(current, old_logprobs)
         bounds = search_clip_bounds(
             ratio, batch.advantages.expand_as(ratio), batch.mask, bapo, weights=importance_weights
         )
-    model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     entropy_sum = 0.0
-    for rows in length_sorted_micro_batches(batch, micro_batch_size):
+    for k, rows in enumerate(micro_batches):
         micro = batch.select(rows)
         width = micro.mask.shape[1]
-        lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
+        if forwards is not None:
+            (lp, entropy), forwards[k] = forwards[k], None  # drop the reference: backward frees the graph
+        else:
+            lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
         loss, metrics = bapo_policy_loss(
             lp,
             old_logprobs[rows][:, :width],

@@ -284,6 +284,7 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
                         cfg.loss,
                         cfg.train.micro_batch_size,
                         cfg.optim.grad_clip,
+                        cfg.train.step_search_graph_tokens,
                     )
                 )
                 version += 1

@@ -1,0 +1,57 @@
+"""One optimizer step of the embedded trainer with a per-step bound search: keeping the micro-batches'
+graphs until the bounds are known must give exactly the update of the extra-forward path, with half the
+forwards. Real tiny Qwen2, real AdamW."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+from bapo_nemo.embedded.config import LossConfig
+from bapo_nemo.embedded.grpo import TokenBatch, policy_update
+from bapo_nemo.embedded.model import build_model, token_logprobs_and_entropy
+from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+
+def _stale_batch(model, n=12, seed=0) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 30, (n,), generator=g)
+    width = int(lengths.max())
+    ids = torch.randint(3, 22, (n, width), generator=g)  # the shipped tokenizer has 22 tokens
+    attention = (torch.arange(width)[None] < lengths[:, None]).long()
+    ids = ids * attention
+    mask = attention[:, 1:].float()
+    mask[:, :3] = 0.0  # prompt tokens
+    with torch.no_grad():
+        current, _ = token_logprobs_and_entropy(model, ids, attention, with_entropy=False)
+    # Stale behaviour log-probs: ratios spread around 1, so the search moves and clipping happens.
+    behavior = current + 0.5 * torch.randn(current.shape, generator=g)
+    adv = torch.randn(n, 1, generator=g)
+    return TokenBatch(ids, attention, mask, behavior, torch.ones_like(mask), torch.zeros_like(mask).long(),
+                      adv, torch.zeros(n), torch.arange(n))
+
+
+def test_kept_graphs_give_the_extra_forward_update_exactly_with_half_the_forwards():
+    tokenizer = load_tokenizer()
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                          max_position_embeddings=128, rope_theta=10000.0)
+    base = build_model(cfg, tokenizer, seed=0)
+    batch = _stale_batch(base)
+    loss_cfg = LossConfig.model_validate({"bapo": {"granularity": "step", "rho0": 0.6}})
+    results = {}
+    for name, graph_tokens in (("extra forward", 0), ("kept graphs", 10**6)):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        forwards = []
+        model.register_forward_hook(lambda *_: forwards.append(1))
+        metrics = policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, loss_cfg,
+                                micro_batch_size=4, grad_clip=1.0, step_search_graph_tokens=graph_tokens)
+        results[name] = (metrics, [p.detach().clone() for p in model.parameters()], len(forwards))
+
+    (m_extra, p_extra, f_extra), (m_kept, p_kept, f_kept) = results["extra forward"], results["kept graphs"]
+    assert m_extra["bapo/steps"] > 0  # the search moved: the bounds matter for this update
+    assert m_kept == m_extra  # same bounds, loss, clip fractions, grad norm
+    assert all(torch.equal(a, b) for a, b in zip(p_extra, p_kept))
+    assert (f_extra, f_kept) == (6, 3)  # 12 sequences in micro-batches of 4: 3 no-grad + 3 grad forwards
