@@ -5,7 +5,8 @@ Compares, on the same ~1M-token batch (forward + backward where there is a loss)
   plain+stats the same loss plus the statistics every PPO trainer logs (clip fractions by sign, mean
               ratio, approx KL): what a production plain loss costs
   bapo        search_clip_bounds (one pass, one reduction) + the loss; its statistics come from the
-              search's histograms
+              search's histograms. On CPU the token pass is the fused numba loop (fused_cpu.py)
+  bapo (pytorch path)  the same with the token pass in PyTorch ops, the path GPUs take
   sequential  the sequential search with the paper's settings, as the authors' code evaluates it: one
               full pass over the tokens, one reduction and one host sync per candidate (up to 52)
 Prints the timings, the ratios and the number of reduction calls, and writes JSON + PNG to
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, clipped_policy_loss, search_clip_bounds
+from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, clipped_policy_loss, fused_cpu, search_clip_bounds
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -118,19 +119,23 @@ def main() -> None:
     assert (bounds.c_low, bounds.c_high) == seq_bounds[:2], (bounds, seq_bounds)
 
     # Interleave the variants so machine load hits them alike.
-    rows = {"plain": [], "plain+stats": [], "bapo": [], "bapo search only": [], "sequential search": []}
+    rows = {"plain": [], "plain+stats": [], "bapo": [], "bapo (pytorch path)": [], "bapo search only": [],
+            "sequential search": []}
     for _ in range(args.repeats):
         rows["plain"].append(timeit(lambda: plain_step(logp, old, adv, mask, False), 1))
         rows["plain+stats"].append(timeit(lambda: plain_step(logp, old, adv, mask, True), 1))
         bapo_calls.clear()
         rows["bapo"].append(timeit(lambda: bapo_step(logp, old, adv, mask, config, bapo_calls), 1))
+        with fused_cpu.disabled():
+            rows["bapo (pytorch path)"].append(timeit(lambda: bapo_step(logp, old, adv, mask, config, []), 1))
         rows["bapo search only"].append(
             timeit(lambda: search_clip_bounds(torch.exp(logp - old), adv, mask, config), 1))
         seq_calls.clear()
         rows["sequential search"].append(timeit(lambda: sequential_search(logp, old, adv, mask, config, seq_calls), 1))
     ms = {k: statistics.median(v) for k, v in rows.items()}
 
-    print(f"tokens: {logp.numel():,} ({mask.sum().int():,} unmasked), torch threads: {torch.get_num_threads()}")
+    print(f"tokens: {logp.numel():,} ({mask.sum().int():,} unmasked), torch threads: {torch.get_num_threads()}, "
+          f"fused CPU token pass (numba): {'yes' if fused_cpu.available() else 'no'}")
     print(f"bounds: c_low={bounds.c_low} c_high={bounds.c_high} after {bounds.steps} search steps "
           f"(sequential: {seq_bounds[2]} steps, same bounds)")
     for k, v in ms.items():
@@ -138,6 +143,7 @@ def main() -> None:
     ratios = {
         "bapo / plain": ms["bapo"] / ms["plain"],
         "bapo / plain+stats": ms["bapo"] / ms["plain+stats"],
+        "bapo (pytorch path) / plain": ms["bapo (pytorch path)"] / ms["plain"],
         "sequential search / bapo search": ms["sequential search"] / ms["bapo search only"],
         "sequential search / bapo (search+loss)": ms["sequential search"] / ms["bapo"],
     }
@@ -148,8 +154,8 @@ def main() -> None:
 
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "loss_overhead.json").write_text(json.dumps(
-        {"tokens": logp.numel(), "ms": ms, "ratios": ratios, "reduction_calls": calls,
-         "search_steps": bounds.steps}, indent=2))
+        {"tokens": logp.numel(), "fused_cpu": fused_cpu.available(), "ms": ms, "ratios": ratios,
+         "reduction_calls": calls, "search_steps": bounds.steps}, indent=2))
     plot(ms, RESULTS / "loss_overhead.png")
     print(f"wrote {RESULTS / 'loss_overhead.json'} and {RESULTS / 'loss_overhead.png'}")
 
@@ -162,7 +168,7 @@ def plot(ms: dict[str, float], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3))
     names = list(ms)
-    ax.barh(names, [ms[n] for n in names], color=["#999", "#777", "#2a7", "#5c9", "#c44"])
+    ax.barh(names, [ms[n] for n in names], color=["#999", "#777", "#2a7", "#6b8", "#5c9", "#c44"])
     ax.set_xlabel("median CPU ms per update (1M tokens)")
     ax.invert_yaxis()
     for y, n in enumerate(names):
