@@ -8,6 +8,7 @@ it is kept). Files: docs/results/<mode>/<study>.png and docs/results/<mode>/<stu
 
 Per-run statistics (W = the last 20% of RL steps, at least one step):
   heldout_start / heldout_end   eval/avg_at_k at step 0 (after warm-up) and at the last step
+  heldout_gain                  heldout_end - heldout_start (paired: one warm-up per seed)
   reward_end                    mean of reward/mean over W
   entropy_start / entropy_end   mean token entropy over the first / last W steps
   collapsed                     1 if heldout_end < COLLAPSE_HELDOUT_RATIO * heldout_start (reward
@@ -40,6 +41,7 @@ COLLAPSE_ENTROPY_RATIO = 0.25
 STAT_KEYS = [
     "heldout_start",
     "heldout_end",
+    "heldout_gain",
     "reward_end",
     "entropy_start",
     "entropy_end",
@@ -76,6 +78,9 @@ def run_stats(history: History, max_steps: int) -> dict[str, float]:
     stats = {
         "heldout_start": heldout_start,
         "heldout_end": heldout_end,
+        # Paired per seed: every cell of a seed starts from the same warm-up, so the gain removes most of
+        # the seed-to-seed spread of the starting point.
+        "heldout_gain": heldout_end - heldout_start,
         "reward_end": _mean_over(history.get("reward/mean", {}), last),
         "entropy_start": _mean_over(entropy, first),
         "entropy_end": _mean_over(entropy, last),
@@ -108,12 +113,13 @@ def aggregate(per_run: list[dict[str, float]]) -> dict[str, tuple[float, float, 
     return {key: mean_std([r[key] for r in per_run]) for key in STAT_KEYS}
 
 
-def fmt(mean: float, std: float, digits: int = 3) -> str:
+def fmt(mean: float, std: float, digits: int = 3, signed: bool = False) -> str:
     if not math.isfinite(mean):
         return "—"
+    sign = "+" if signed else ""
     if not math.isfinite(std):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+        return f"{mean:{sign}.{digits}f}"
+    return f"{mean:{sign}.{digits}f} ± {std:.{digits}f}"
 
 
 # ---- reading MLflow ------------------------------------------------------------------------------------------
@@ -458,23 +464,23 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
         f"![{study.name}]({rel.as_posix()})",
         "",
         (
-            "| cell | n | held-out avg@k start → end | final reward | entropy start → end | collapsed | "
-            "c_low | c_high | rho | target met | grad norm |"
+            "| cell | n | held-out avg@k start → end | held-out gain | final reward | entropy start → end | "
+            "collapsed | c_low | c_high | rho | target met | grad norm |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in study.cells_for(summary.mode):
         s = summary.cells[cell.name]
         n = s["heldout_end"][2]
         if n == 0:
-            lines.append(f"| {cell.name} | 0 | — | — | — | — | — | — | — | — | — |")
+            lines.append(f"| {cell.name} | 0 | — | — | — | — | — | — | — | — | — | — |")
             continue
         collapsed = f"{round(s['collapsed'][0] * s['collapsed'][2])}/{s['collapsed'][2]}"
         searched = cell.overrides.get("loss.bapo.enabled", True)  # fixed bounds: no search, no target
         target = fmt(*s["target_met"][:2], 2) if searched else "n/a"
         lines.append(
             f"| {cell.name} | {n} | {fmt(*s['heldout_start'][:2])} → {fmt(*s['heldout_end'][:2])} | "
-            f"{fmt(*s['reward_end'][:2])} | {fmt(*s['entropy_start'][:2])} → {fmt(*s['entropy_end'][:2])} | "
+            f"{fmt(*s['heldout_gain'][:2], signed=True)} | {fmt(*s['reward_end'][:2])} | {fmt(*s['entropy_start'][:2])} → {fmt(*s['entropy_end'][:2])} | "
             f"{collapsed} | {fmt(*s['c_low'][:2], 2)} | {fmt(*s['c_high'][:2], 2)} | {fmt(*s['rho'][:2])} | "
             f"{target} | {fmt(*s['grad_norm'][:2])} |"
         )

@@ -99,6 +99,7 @@ def toy_store(tmp_path):
 def test_run_stats_hand_computed():
     s = run_stats(A0, 10)
     assert s["heldout_start"] == 0.5 and s["heldout_end"] == 0.6
+    assert s["heldout_gain"] == pytest.approx(0.1)
     assert s["reward_end"] == pytest.approx(0.95)
     assert (s["entropy_start"], s["entropy_end"]) == (pytest.approx(0.8), pytest.approx(0.4))
     assert s["collapsed"] == 0.0
@@ -131,6 +132,8 @@ def test_summary_from_mlflow_store(toy_store, tmp_path):
     # held-out end: seeds 0.6 and 0.2 -> mean 0.4, sample std |0.6 - 0.2| / sqrt(2) = 0.28284
     assert a["heldout_end"][0] == pytest.approx(0.4)
     assert a["heldout_end"][1] == pytest.approx(0.4 / math.sqrt(2))
+    # paired gain: +0.1 and -0.3 -> mean -0.1, std 0.4 / sqrt(2)
+    assert a["heldout_gain"][:2] == (pytest.approx(-0.1), pytest.approx(0.4 / math.sqrt(2)))
     # final reward: 0.95 and 0.5 -> mean 0.725, std 0.45 / sqrt(2) = 0.31820
     assert a["reward_end"][:2] == (pytest.approx(0.725), pytest.approx(0.45 / math.sqrt(2)))
     # c_high: 1.35 and 1.25 -> 1.3 +- 0.1 / sqrt(2); grad norm 1 and 3 -> 2 +- sqrt(2)
@@ -157,7 +160,7 @@ def test_summary_from_mlflow_store(toy_store, tmp_path):
     text = (docs / "results.md").read_text()
     assert "Hand-written analysis stays." in text
     assert "**Completed runs: 3 of 4.**" in text
-    assert "| arm=a | 2 | 0.500 ± 0.000 → 0.400 ± 0.283 | 0.725 ± 0.318 |" in text
+    assert "| arm=a | 2 | 0.500 ± 0.000 → 0.400 ± 0.283 | -0.100 ± 0.283 | 0.725 ± 0.318 |" in text
     assert "`arm=b` seed 1 (running, last logged step 4 of 10)" in text
 
 
