@@ -115,3 +115,38 @@ def test_bundled_tokenizer_is_what_its_generator_writes(tmp_path):
     text = "12+3=15;15-7=8;#8"
     ids = TOK.encode(text, add_special_tokens=False)
     assert len(ids) == len(text) and TOK.decode(ids) == text  # one token per character, lossless
+
+
+def test_length_chunks_split_where_padding_would_dominate():
+    from bapo_nemo.embedded.generation import MIN_CHUNK_ROWS, length_chunks
+
+    assert MIN_CHUNK_ROWS == 16  # the cases below are written for it
+    # 20 contexts of 100 tokens and 40 of 20: one batch would pad 40 x 80 = 3200 of 5200 prefill tokens.
+    lengths = [100] * 20 + [20] * 40
+    chunks = length_chunks(lengths)
+    assert [sorted({lengths[k] for k in c}) for c in chunks] == [[100], [20]]
+    assert sorted(k for c in chunks for k in c) == list(range(60))  # every context exactly once
+    # A short context joins its neighbours while a chunk has fewer than 16 rows...
+    assert [len(c) for c in length_chunks([100] * 3 + [20] * 40)] == [16, 27]
+    # ... and a last chunk of fewer than 16 joins the one before it.
+    assert len(length_chunks([100] * 20 + [20] * 10)) == 1
+    # Within a factor of 2 of the chunk's longest, contexts stay together.
+    assert len(length_chunks([100] * 30 + [50] * 30)) == 1
+
+
+def test_chunked_generation_scores_like_a_full_forward():
+    """Contexts of very different lengths are generated in separate chunks; each row's log-probs must
+    still be those of an independent full forward."""
+    model = build_model(CFG, TOK, seed=2)
+    long_ctx = [TOK.bos_token_id] + TOK.encode("3+4-1+2-5+6+1-3+2+2+4-1+5?", add_special_tokens=False)
+    short_ctx = [TOK.bos_token_id] + TOK.encode("1?", add_special_tokens=False)
+    contexts = [long_ctx] * 16 + [short_ctx] * 16
+    from bapo_nemo.embedded.generation import length_chunks
+
+    assert len(length_chunks([len(c) for c in contexts])) == 2
+    outs = sample_continuations(
+        model, contexts, 8, TOK.eos_token_id, TOK.pad_token_id, torch.Generator().manual_seed(5)
+    )
+    for ctx, out in ((contexts[0], outs[0]), (contexts[-1], outs[-1])):
+        ref = _full_forward_logprobs(model, ctx, out.token_ids)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)

@@ -16,6 +16,31 @@ class Continuation:
     finished: bool  # ended with EOS (the EOS token is included in token_ids)
 
 
+# A chunk holds contexts of at least this fraction of its longest one: at most half of its prefill is
+# padding. Smaller chunks than MIN_CHUNK_ROWS join a neighbour (each chunk costs its own decode calls).
+CHUNK_LENGTH_RATIO = 0.5
+MIN_CHUNK_ROWS = 16
+
+
+def length_chunks(lengths: list[int]) -> list[list[int]]:
+    """Positions of `lengths` grouped into chunks of similar length (longest first): a new chunk starts
+    where a context is shorter than CHUNK_LENGTH_RATIO x its chunk's longest, once the chunk has
+    MIN_CHUNK_ROWS rows; a last chunk smaller than that joins the previous one."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    chunks: list[list[int]] = []
+    for k in order:
+        if chunks and (
+            len(chunks[-1]) < MIN_CHUNK_ROWS or lengths[k] >= CHUNK_LENGTH_RATIO * lengths[chunks[-1][0]]
+        ):
+            chunks[-1].append(k)
+        else:
+            chunks.append([k])
+    if len(chunks) > 1 and len(chunks[-1]) < MIN_CHUNK_ROWS:
+        last = chunks.pop()
+        chunks[-1] += last
+    return chunks
+
+
 @torch.no_grad()
 def sample_continuations(
     model,
@@ -29,8 +54,10 @@ def sample_continuations(
 ) -> list[Continuation]:
     """Sample up to `max_new_tokens` tokens after each context (prompt, or prompt + earlier segments).
 
-    compact=False keeps finished rows in the batch until every row is done (static batching, as HF
-    `generate` does); their extra samples are discarded. Only benchmarks use it."""
+    Contexts of very different lengths are generated in chunks of similar length (`length_chunks`).
+    compact=False keeps finished rows in the batch until every row is done and pads every context to
+    the longest (static batching, as HF `generate` does); their extra samples are discarded. Only
+    benchmarks use it."""
     n = len(contexts)
     if n == 0:
         return []
@@ -39,6 +66,21 @@ def sample_continuations(
     live = [i for i in range(n) if limits[i] > 0]
     if not live:
         return results
+    if compact:
+        chunks = length_chunks([len(contexts[i]) for i in live])
+        if len(chunks) > 1:
+            # Contexts of very different lengths (long resumed responses next to fresh prompts, or a few
+            # long questions): left-padding all to the longest wastes most of the prefill. Generate each
+            # chunk of similar lengths as its own batch.
+            for chunk in chunks:
+                rows = [live[k] for k in chunk]
+                outs = sample_continuations(
+                    model, [contexts[i] for i in rows], [limits[i] for i in rows], eos_token_id,
+                    pad_token_id, generator, temperature, compact,
+                )
+                for i, out in zip(rows, outs):
+                    results[i] = out
+            return results
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
