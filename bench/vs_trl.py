@@ -9,7 +9,7 @@ excluded. Time is process CPU time (both run single-threaded in this process, so
 on an otherwise idle machine; wall time on a shared machine is reported too). Ours is measured twice: with partial rollouts (its default) and with them off.
 
     pip install -e '.[bench]'   # trl
-    python bench/vs_trl.py [--steps 6]
+    python bench/vs_trl.py [--steps 12]
 Writes bench/results/vs_trl.json and .png.
 """
 
@@ -150,7 +150,7 @@ def run_trl(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed RL steps per trainer (plus one untimed)")
+    parser.add_argument("--steps", type=int, default=12, help="timed RL steps per trainer (plus one untimed)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=64)
