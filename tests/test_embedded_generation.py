@@ -134,8 +134,9 @@ def test_length_chunks_split_where_padding_would_dominate():
     assert len(length_chunks([100] * 30 + [50] * 30)) == 1
 
 
-def test_chunked_generation_scores_like_a_full_forward():
-    """Contexts of very different lengths are generated in separate chunks; each row's log-probs must
+def test_chunked_prefill_then_one_decode_batch_scores_like_a_full_forward():
+    """Contexts of very different lengths are prefilled in separate chunks whose KV caches are merged
+    (left-padded) into one decode batch; each row's log-probs must
     still be those of an independent full forward."""
     model = build_model(CFG, TOK, seed=2)
     long_ctx = [TOK.bos_token_id] + TOK.encode("3+4-1+2-5+6+1-3+2+2+4-1+5?", add_special_tokens=False)

@@ -1,6 +1,7 @@
 """Sampling with a KV cache: temperature-1 sampling that records each sampled token's log-prob, stops
 each sequence at EOS or its token limit, and continues from prompt + partial tokens (the partial-rollout
-`generate_fn`). Finished rows leave the batch, so the cost follows the live sequences, not the longest."""
+`generate_fn`). Finished rows leave the batch, so the cost follows the live sequences, not the longest;
+contexts of very different lengths are prefilled in chunks and decoded as one batch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class Continuation:
 
 
 # A chunk holds contexts of at least this fraction of its longest one: at most half of its prefill is
-# padding. Smaller chunks than MIN_CHUNK_ROWS join a neighbour (each chunk costs its own decode calls).
+# padding. Smaller chunks than MIN_CHUNK_ROWS join a neighbour (each chunk costs a prefill call).
 CHUNK_LENGTH_RATIO = 0.5
 MIN_CHUNK_ROWS = 16
 
@@ -41,6 +42,54 @@ def length_chunks(lengths: list[int]) -> list[list[int]]:
     return chunks
 
 
+def _prefill(model, contexts: list[list[int]], pad_token_id: int, device):
+    """One forward over left-padded contexts, positions counted from each row's first real token.
+    Returns (KV cache, last logits, attention mask, next positions)."""
+    width = max(len(c) for c in contexts)
+    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, ctx in enumerate(contexts):
+        input_ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+        attention[row, width - len(ctx) :] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.past_key_values, out.logits[:, -1], attention, positions[:, -1:] + 1
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, [B, heads, T, dim], across transformers' cache layouts."""
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _merge_prefills(prefills):
+    """One decode batch from chunks prefilled separately: each chunk's KV and attention mask are
+    left-padded (zeros, masked out) to the widest chunk and stacked along the batch."""
+    width = max(attention.shape[1] for _, _, attention, _ in prefills)
+
+    def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        pad = [0, 0] * (t.dim() - 1 - dim) + [width - t.shape[dim], 0]
+        return torch.nn.functional.pad(t, pad)
+
+    merged = type(prefills[0][0])()
+    for layer, per_chunk in enumerate(zip(*(_layers(cache) for cache, *_ in prefills))):
+        keys = torch.cat([left_pad(k, 2) for k, _ in per_chunk])
+        values = torch.cat([left_pad(v, 2) for _, v in per_chunk])
+        merged.update(keys, values, layer)
+    logits = torch.cat([p[1] for p in prefills])
+    attention = torch.cat([left_pad(p[2], 1) for p in prefills])
+    next_pos = torch.cat([p[3] for p in prefills])
+    return merged, logits, attention, next_pos
+
+
 @torch.no_grad()
 def sample_continuations(
     model,
@@ -54,7 +103,7 @@ def sample_continuations(
 ) -> list[Continuation]:
     """Sample up to `max_new_tokens` tokens after each context (prompt, or prompt + earlier segments).
 
-    Contexts of very different lengths are generated in chunks of similar length (`length_chunks`).
+    Contexts of very different lengths are prefilled in chunks of similar length (`length_chunks`).
     compact=False keeps finished rows in the batch until every row is done and pads every context to
     the longest (static batching, as HF `generate` does); their extra samples are discarded. Only
     benchmarks use it."""
@@ -66,46 +115,23 @@ def sample_continuations(
     live = [i for i in range(n) if limits[i] > 0]
     if not live:
         return results
-    if compact:
-        chunks = length_chunks([len(contexts[i]) for i in live])
-        if len(chunks) > 1:
-            # Contexts of very different lengths (long resumed responses next to fresh prompts, or a few
-            # long questions): left-padding all to the longest wastes most of the prefill. Generate each
-            # chunk of similar lengths as its own batch.
-            for chunk in chunks:
-                rows = [live[k] for k in chunk]
-                outs = sample_continuations(
-                    model, [contexts[i] for i in rows], [limits[i] for i in rows], eos_token_id,
-                    pad_token_id, generator, temperature, compact,
-                )
-                for i, out in zip(rows, outs):
-                    results[i] = out
-            return results
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
 
-    # Prefill: left-padded contexts, positions counted from each row's first real token.
-    width = max(len(contexts[i]) for i in live)
-    input_ids = torch.full((len(live), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(live), width), dtype=torch.long)
-    for row, i in enumerate(live):
-        ctx = contexts[i]
-        input_ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
-        attention[row, width - len(ctx) :] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp_min(0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache, logits = out.past_key_values, out.logits[:, -1]
-    next_pos = positions[:, -1:] + 1
-    rows = torch.tensor(live)  # batch row -> sequence index
-    active = [True] * len(live)  # static batching only: rows still generating
+    # Prefill. Contexts of very different lengths (long resumed responses next to fresh prompts, a few
+    # long questions) are prefilled in chunks of similar length, each left-padded to its own longest,
+    # and their KV caches merged into one decode batch: padding everything to the longest context made
+    # most of the prefill padding.
+    chunks = length_chunks([len(contexts[i]) for i in live]) if compact else [list(range(len(live)))]
+    prefills = [_prefill(model, [contexts[live[k]] for k in c], pad_token_id, device) for c in chunks]
+    order = [live[k] for chunk in chunks for k in chunk]  # batch row -> sequence index
+    if len(prefills) == 1:
+        cache, logits, attention, next_pos = prefills[0]
+    else:
+        cache, logits, attention, next_pos = _merge_prefills(prefills)
+    rows = torch.tensor(order)
+    active = [True] * len(order)  # static batching only: rows still generating
 
     for _ in range(max(limits[i] for i in live)):
         log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
