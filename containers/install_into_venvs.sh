@@ -14,7 +14,9 @@ ACTOR_VENVS_DIR=${NEMO_RL_VENV_DIR:-/opt/ray_venvs}
 STRICT=${BAPO_STRICT_IMPORT_CHECK:-0}
 CLI_PATH=${BAPO_CLI_PATH:-/usr/local/bin/bapo-nemo}
 
-# import name:pip requirement, mirroring pyproject.toml `dependencies` (torch excluded on purpose).
+# import name:pip requirement, mirroring pyproject.toml `dependencies`. Excluded on purpose: torch (the
+# container's), and numba, which only fuses the bound search's pass over CPU tensors (GPU tensors take the
+# PyTorch path) and whose numpy pin must not move the container's numpy.
 DEPS=(
   "pydantic:pydantic>=2.6"
   "yaml:pyyaml>=6"
