@@ -5,11 +5,9 @@ forwards. Real tiny Qwen2, real AdamW."""
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
-
 import torch
 
-from bapo_nemo.embedded.config import LossConfig
+from bapo_nemo.embedded.config import LossConfig, ModelConfig
 from bapo_nemo.embedded.grpo import TokenBatch, policy_update
 from bapo_nemo.embedded.model import build_model, token_logprobs_and_entropy
 from bapo_nemo.embedded.tokenizer import load_tokenizer
@@ -35,9 +33,8 @@ def _stale_batch(model, n=12, seed=0) -> TokenBatch:
 
 def test_kept_graphs_give_the_extra_forward_update_exactly_with_half_the_forwards():
     tokenizer = load_tokenizer()
-    cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                          max_position_embeddings=128, rope_theta=10000.0)
-    base = build_model(cfg, tokenizer, seed=0)
+    model_cfg = ModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
+    base = build_model(model_cfg, tokenizer, seed=0)
     batch = _stale_batch(base)
     loss_cfg = LossConfig.model_validate({"bapo": {"granularity": "step", "rho0": 0.6}})
     results = {}

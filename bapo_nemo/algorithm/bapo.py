@@ -195,8 +195,11 @@ def _token_statistics(ratio, advantages, mask, weights, edges: _Edges, with_abs_
     if ratio.device.type == "cpu" and fused_cpu.available():
         int_dtype, tables = _tables_for(ratio, edges.tensor(ratio.dtype))
         if tables is not None:  # the same numbers in one fused loop (fused_cpu.py)
-            return fused_cpu.token_statistics(ratio, advantages, mask.detach(), weights, log_ratio, int_dtype,
-                                              tables, u, with_abs_a)
+            hist = torch.zeros(_ROWS, 3 * u + 1, dtype=torch.float64)
+            totals = torch.zeros(2, dtype=torch.float64)
+            fused_cpu.token_statistics(ratio, advantages, mask.detach(), weights, log_ratio, int_dtype, tables,
+                                       u, with_abs_a, hist, totals)
+            return torch.cat([hist.reshape(-1), totals])
     return _token_statistics_eager(ratio, advantages, mask, weights, edges, with_abs_a, log_ratio)
 
 

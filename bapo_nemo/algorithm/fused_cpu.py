@@ -87,19 +87,16 @@ def _as_2d(t: torch.Tensor, shape: torch.Size):
 
 
 def token_statistics(ratio, advantages, mask, weights, log_ratio, int_dtype, tables, n_bins_per_sign,
-                     with_abs_a):
-    """Same result layout as `bapo._token_statistics`: [hist (3 x (3u+1)) | sum r | sum log r]."""
+                     with_abs_a, hist: torch.Tensor, totals: torch.Tensor) -> None:
+    """Fill `bapo._token_statistics`' float64 buffers: `hist` [3, 3u + 1] and `totals` [2], zeroed."""
     shift, first, last, below, inside = tables
-    u = n_bins_per_sign
     shape = ratio.shape
     r = ratio.contiguous()
-    hist = torch.zeros(3, 3 * u + 1, dtype=torch.float64)
-    totals = torch.zeros(2, dtype=torch.float64)
     one = torch.ones((), dtype=r.dtype)
     _kernel(
         _as_2d(r, shape), _as_2d(r.view(int_dtype), shape), _as_2d(advantages, shape), _as_2d(mask, shape),
         _as_2d(one if weights is None else weights, shape), weights is not None,
         _as_2d(one if log_ratio is None else log_ratio, shape), log_ratio is not None,
-        shift, first, last, below.numpy(), inside.numpy(), u, with_abs_a, hist.numpy(), totals.numpy(),
+        shift, first, last, below.numpy(), inside.numpy(), n_bins_per_sign, with_abs_a, hist.numpy(),
+        totals.numpy(),
     )
-    return torch.cat([hist.reshape(-1), totals])
