@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bapo_nemo.algorithm import BAPOConfig, BAPOConfigError, search_clip_bounds
+from bapo_nemo.algorithm.options import NemoBAPOOptions
 from bapo_nemo.nemo.loss_math import (
     aggregate_like_nemo,
     bounds_to_epsilons,
@@ -21,7 +22,6 @@ from bapo_nemo.nemo.loss_math import (
     reference_logprobs,
     token_sign_counts,
 )
-from bapo_nemo.nemo.options import NemoBAPOOptions
 from bapo_nemo.nemo.step_bounds import (
     STEP_BOUNDS_KEYS,
     StepBoundsTrainer,

@@ -25,7 +25,6 @@ from bapo_nemo.nemo.partial_rollout import (
     PartialRolloutHook,
     PartialRolloutSetupError,
     ReplayGeneration,
-    check_partial_rollout_config,
     check_prompt_blocks,
     chunks_from_generation_outputs,
     decode_rows,
@@ -35,6 +34,7 @@ from bapo_nemo.nemo.partial_rollout import (
     install_partial_rollouts,
 )
 from bapo_nemo.rollout import PartialRolloutConfig, Rollout
+from bapo_nemo.rollout.config import check_partial_rollout_config
 
 PAD = 99
 EOS = 0

@@ -18,6 +18,7 @@ from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedP
 
 from bapo_nemo.algorithm import search_clip_bounds
 from bapo_nemo.algorithm.bapo import importance_ratio
+from bapo_nemo.algorithm.options import NemoBAPOOptions
 from bapo_nemo.nemo.groups import data_parallel_all_reduce, full_tensor
 from bapo_nemo.nemo.loss_math import (
     PREFIX,
@@ -27,7 +28,6 @@ from bapo_nemo.nemo.loss_math import (
     nemo_step_metrics,
     token_sign_counts,
 )
-from bapo_nemo.nemo.options import NemoBAPOOptions
 from bapo_nemo.nemo.step_bounds import STEP_BOUNDS_KEYS
 
 

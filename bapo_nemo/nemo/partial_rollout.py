@@ -47,6 +47,7 @@ from bapo_nemo.rollout import (
     Rollout,
     RolloutGroup,
 )
+from bapo_nemo.rollout.config import check_partial_rollout_config
 
 STATE_FILE = "partial_rollouts.json"
 HOOK_STATE_FORMAT_VERSION = 1
@@ -65,18 +66,6 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
         return obj.get(key, default)
     value = getattr(obj, key, default)
     return default if value is None and default is not None else value
-
-
-def uses_async_rollouts(generation_cfg: Mapping) -> bool:
-    """Mirror of v0.7.0 `grpo._should_use_async_rollouts` (which of the three rollout paths runs)."""
-    backend = generation_cfg.get("backend", "")
-    if backend == "sglang":
-        return bool(generation_cfg.get("use_async_rollouts", False))
-    if backend == "vllm":
-        return bool((generation_cfg.get("vllm_cfg") or {}).get("async_engine", False))
-    if backend == "megatron":
-        return bool((generation_cfg.get("mcore_generation_config") or {}).get("async_engine", False))
-    return False
 
 
 # ---- JSON encoding of dataloader rows (they are checkpointed with the in-flight segments) -------------
@@ -625,59 +614,6 @@ def _stop_union(batch: Mapping) -> list[str] | None:
 
 
 # ---- install ---------------------------------------------------------------------------------------
-def check_partial_rollout_config(master_config: Any, partial: PartialRolloutConfig) -> list[str]:
-    """Why this NeMo-RL config cannot run partial rollouts (empty list: it can)."""
-    problems = []
-    grpo, policy, loss_fn = (
-        _get(master_config, "grpo", {}),
-        _get(master_config, "policy", {}),
-        _get(master_config, "loss_fn", {}),
-    )
-    generation = _get(policy, "generation") or {}
-    if _get(grpo, "max_rollout_turns", 1) != 1:
-        problems.append(
-            f"grpo.max_rollout_turns={_get(grpo, 'max_rollout_turns')}: partial rollouts are single-turn; set it to 1"
-        )
-    if _get(_get(grpo, "async_grpo", {}) or {}, "enabled", False):
-        problems.append(
-            "grpo.async_grpo.enabled=true: the async loop runs rollouts in AsyncTrajectoryCollector (a Ray actor) "
-            "that this hook cannot reach; use the sync loop (see docs/partial_rollouts.md)"
-        )
-    if _get(_get(master_config, "env", {}) or {}, "should_use_nemo_gym", False):
-        problems.append(
-            "env.should_use_nemo_gym=true: NeMo-Gym rollouts manage their own generation; disable it"
-        )
-    if uses_async_rollouts(generation):
-        problems.append(
-            "policy.generation uses an async engine (vllm_cfg.async_engine / mcore async_engine / "
-            "use_async_rollouts): grpo_train then calls run_async_multi_turn_rollout; set it to false"
-        )
-    if _get(_get(master_config, "data_plane", {}) or {}, "enabled", False):
-        problems.append(
-            "data_plane.enabled=true selects grpo_train_sync, which this hook does not wrap; disable it"
-        )
-    if partial.stale_segments == "downweight":
-        problems.append(
-            "partial_rollouts.stale_segments=downweight needs per-token loss weights, but grpo_train v0.7.0 builds "
-            "its train_data from a fixed key list (token_mask comes from a 0/1 token_loss_mask): use exclude or keep"
-        )
-    if partial.stale_segments == "keep" and not _get(loss_fn, "use_importance_sampling_correction", False):
-        problems.append(
-            "partial_rollouts.stale_segments=keep trains on tokens sampled by older policies: set "
-            "loss_fn.use_importance_sampling_correction=true (weights them by pi_prev/pi_behaviour) or use "
-            "stale_segments=exclude"
-        )
-    prompts_per_step = _get(grpo, "num_prompts_per_step", 0)
-    if partial.max_in_flight_groups is not None and partial.max_in_flight_groups < prompts_per_step:
-        problems.append(
-            f"partial_rollouts.max_in_flight_groups={partial.max_in_flight_groups} < grpo.num_prompts_per_step="
-            f"{prompts_per_step}: a step could never collect its groups"
-        )
-    if not generation:
-        problems.append("policy.generation is missing: GRPO needs a generation config")
-    return problems
-
-
 def install_partial_rollouts(
     master_config: Any, partial_config: PartialRolloutConfig | Mapping | None = None, patch_grpo: bool = True
 ) -> PartialRolloutHook:

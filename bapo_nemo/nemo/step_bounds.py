@@ -26,8 +26,8 @@ import torch
 
 from bapo_nemo.algorithm import ClipSearchResult, search_clip_bounds
 from bapo_nemo.algorithm.bapo import importance_ratio
+from bapo_nemo.algorithm.options import NemoBAPOOptions
 from bapo_nemo.nemo.loss_math import importance_weights_like_nemo
-from bapo_nemo.nemo.options import NemoBAPOOptions
 
 STEP_BOUNDS_KEYS = (
     "bapo_c_low",

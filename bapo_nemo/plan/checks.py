@@ -243,8 +243,8 @@ def _bapo_block(config: dict) -> list[Finding]:
     block = get(config, "loss_fn.bapo")
     if block is None:
         return []
-    from bapo_nemo.algorithm import BAPOConfigError
-    from bapo_nemo.nemo.options import NemoBAPOOptions
+    from bapo_nemo.algorithm.config import BAPOConfigError
+    from bapo_nemo.algorithm.options import NemoBAPOOptions
 
     try:
         NemoBAPOOptions.parse(block)
@@ -258,9 +258,11 @@ def _partial_rollout_block(config: dict) -> list[Finding]:
     block = get(config, "partial_rollouts")
     if block is None:
         return []
-    from bapo_nemo.nemo.partial_rollout import check_partial_rollout_config
-    from bapo_nemo.rollout import PartialRolloutConfig
-    from bapo_nemo.rollout.config import PartialRolloutConfigError
+    from bapo_nemo.rollout.config import (
+        PartialRolloutConfig,
+        PartialRolloutConfigError,
+        check_partial_rollout_config,
+    )
 
     block = {k: v for k, v in dict(block).items() if k != "prefill_batches"}  # a driver-side option
     try:

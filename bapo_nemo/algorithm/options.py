@@ -1,6 +1,9 @@
 """The `loss_fn.bapo` block of a NeMo-RL master config: BAPO's own settings (`BAPOConfig`) plus the
 options that only make sense inside NeMo-RL (which log-probs the clipped ratio is taken against).
 
+It lives beside `BAPOConfig` (not in `bapo_nemo.nemo`) so that `bapo-nemo check` can validate the block
+without importing the NeMo-RL adapter.
+
 The block is flat in YAML, so users write one list of keys:
 
     loss_fn:
@@ -16,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bapo_nemo.algorithm import BAPOConfig, BAPOConfigError
+from bapo_nemo.algorithm.config import BAPOConfig, BAPOConfigError
 
 RatioReference = Literal["proximal", "behavior"]
 
