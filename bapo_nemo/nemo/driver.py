@@ -50,7 +50,8 @@ def preflight(config: dict) -> list[Finding]:
         model = resolve_model(str(get(config, "policy.model_name")))
     except (UnknownModelError, OSError, KeyError):
         pass  # unknown models only lose the head-divisibility rule here; `bapo-nemo check` reports it
-    return findings + check_config(config, plan, model, check_paths=True)
+    # Relative prompt files resolve where NeMo-RL will open them: this process's working directory.
+    return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd())
 
 
 def raise_on_errors(findings: list[Finding]) -> None:

@@ -32,7 +32,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "directory, else the built-in table)",
     )
     parser.add_argument(
-        "--no-path-checks", action="store_true", help="skip existence checks of absolute paths"
+        "--no-path-checks", action="store_true", help="skip the existence checks of paths in the config"
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="working directory the job will run in, against which NeMo-RL resolves relative prompt files "
+        "(default: the current one; slurm/bapo_32b.sbatch runs in the checkout, BAPO_REPO)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -47,7 +53,7 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
         findings.append(Finding("error", "policy.model_name", str(exc)))
     except (OSError, KeyError, json.JSONDecodeError) as exc:
         findings.append(Finding("error", "--hf-config", f"cannot read the model's config.json: {exc}"))
-    findings += check_config(config, plan, model, check_paths=not args.no_path_checks)
+    findings += check_config(config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir)
     mem = None
     if plan is not None and model is not None:
         if plan.backend != "megatron":

@@ -223,9 +223,14 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
 
 
 def check_config(
-    config: dict, plan: ClusterPlan | None, model: ModelShape | None, check_paths: bool = True
+    config: dict,
+    plan: ClusterPlan | None,
+    model: ModelShape | None,
+    check_paths: bool = True,
+    workdir: str | Path | None = None,
 ) -> list[Finding]:
-    """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip)."""
+    """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip).
+    `workdir`: the directory the job will run in (relative paths resolve there); default: this one."""
     f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
     f += _bapo_block(config)
     f += _partial_rollout_block(config)
@@ -235,7 +240,7 @@ def check_config(
     f += _generation_rules(config, plan, model)
     f += _loss_rules(config, plan)
     if check_paths:
-        f += _path_rules(config)
+        f += _path_rules(config, Path(workdir) if workdir is not None else Path.cwd())
     return f
 
 
@@ -534,21 +539,64 @@ def _loss_rules(config: dict, plan: ClusterPlan | None) -> list[Finding]:
     return f
 
 
-def _path_rules(config: dict) -> list[Finding]:
-    """Absolute paths that must exist before the job starts (relative ones resolve on the cluster)."""
-    f: list[Finding] = []
-    candidates = [
-        ("policy.model_name", get(config, "policy.model_name")),
-        ("policy.tokenizer.name", get(config, "policy.tokenizer.name")),
-    ]
+# Where nvcr.io/nvidia/nemo-rl:v0.7.0 holds NeMo-RL's source (its examples/prompts/ included).
+NEMO_RL_IMAGE_SOURCE = "/opt/nemo-rl"
+
+
+def data_files(config: dict) -> list[tuple[str, str, bool]]:
+    """(key, path, opened as a file) of every data path in `data:`. Prompt files are opened by v0.7.0's
+    `TaskDataSpec.__post_init__` with a plain `os.path.exists`/`open`, so a relative one resolves against
+    the driver's working directory; `data_path` may also be a Hugging Face dataset name."""
+    found = []
+    default = get(config, "data.default")
+    sections = [("data.default", default if isinstance(default, dict) else None)]
     for section in ("train", "validation"):
         entries = get(config, f"data.{section}")
-        entries = entries if isinstance(entries, list) else [entries]
-        for i, entry in enumerate(entries):
-            if isinstance(entry, dict) and entry.get("data_path"):
-                candidates.append((f"data.{section}[{i}].data_path", entry["data_path"]))
-    for key, path in candidates:
-        if isinstance(path, str) and path.startswith("/") and not Path(path).exists():
+        if isinstance(entries, list):
+            sections += [(f"data.{section}[{i}]", e) for i, e in enumerate(entries)]
+        else:
+            sections.append((f"data.{section}", entries))
+    for where, entry in sections:
+        if not isinstance(entry, dict):
+            continue
+        for name in ("prompt_file", "system_prompt_file"):
+            if isinstance(entry.get(name), str) and entry[name]:
+                found.append((f"{where}.{name}", entry[name], True))
+        if isinstance(entry.get("data_path"), str) and entry["data_path"]:
+            found.append((f"{where}.data_path", entry["data_path"], False))
+    return found
+
+
+def _path_rules(config: dict, workdir: Path) -> list[Finding]:
+    """Paths that must exist before the job starts, resolved as NeMo-RL will resolve them: relative prompt
+    files against `workdir`, the job's working directory (slurm/bapo_32b.sbatch: the checkout)."""
+    f: list[Finding] = []
+    candidates = [
+        ("policy.model_name", get(config, "policy.model_name"), False),
+        ("policy.tokenizer.name", get(config, "policy.tokenizer.name"), False),
+        *data_files(config),
+    ]
+    in_image = Path(NEMO_RL_IMAGE_SOURCE).is_dir()  # false outside the container: those paths are unknowable
+    for key, path, is_file in candidates:
+        if not isinstance(path, str):
+            continue
+        if not path.startswith("/"):
+            if is_file and not (workdir / path).exists():
+                f.append(
+                    Finding(
+                        "error",
+                        key,
+                        f"{path} is relative: NeMo-RL opens it from the job's working directory, where "
+                        f"{workdir / path} does not exist; use an absolute path (NeMo-RL's own prompts: "
+                        f"{NEMO_RL_IMAGE_SOURCE}/examples/prompts/...)",
+                    )
+                )
+            continue
+        if Path(path).exists():
+            continue
+        if path.startswith(NEMO_RL_IMAGE_SOURCE + "/") and not in_image:
+            f.append(Finding("warning", key, f"{path} is inside the NeMo-RL image; not checked outside it"))
+        else:
             f.append(
                 Finding("error", key, f"{path} does not exist (mount it into the container or fix the path)")
             )

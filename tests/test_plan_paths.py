@@ -1,0 +1,100 @@
+"""Data paths in a NeMo-RL config are checked where NeMo-RL will open them: relative prompt files against
+the job's working directory (v0.7.0's `TaskDataSpec.__post_init__` raises FileNotFoundError for a missing
+one right after `init_ray()`), absolute ones as they are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from nemo_rl_source import run_with_nemo_rl
+
+from bapo_nemo.plan.checks import NEMO_RL_IMAGE_SOURCE, check_config, data_files
+from bapo_nemo.plan.config_io import load_nemo_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def path_errors(config: dict, workdir: Path) -> dict[str, str]:
+    return {
+        f.key: f.message
+        for f in check_config(config, None, None, check_paths=True, workdir=workdir)
+        if f.level == "error" and f.key.endswith("prompt_file")
+    }
+
+
+def test_shipped_configs_open_no_prompt_file_relative_to_the_job_directory():
+    """slurm/bapo_32b.sbatch runs the driver in the checkout (--container-workdir=$BAPO_REPO), which has no
+    examples/prompts/: every prompt file of the shipped configs must be absolute."""
+    for name in ("bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml"):
+        config = load_nemo_config(CONFIGS / name)
+        files = [(key, path) for key, path, is_file in data_files(config) if is_file]
+        assert files, f"{name}: no prompt files found (the validation sets use one)"
+        for key, path in files:
+            assert path.startswith(NEMO_RL_IMAGE_SOURCE + "/examples/prompts/"), (name, key, path)
+        assert path_errors(config, REPO) == {}
+
+
+def test_a_relative_prompt_file_is_judged_from_the_job_working_directory(tmp_path):
+    config = load_nemo_config(
+        CONFIGS / "bapo_7b.yaml", ["data.validation.0.prompt_file=examples/prompts/cot.txt"]
+    )
+    errors = path_errors(config, REPO)
+    assert set(errors) == {"data.validation[0].prompt_file"}
+    assert f"{REPO}/examples/prompts/cot.txt does not exist" in errors["data.validation[0].prompt_file"]
+    # The same relative path is fine where it exists.
+    (tmp_path / "examples" / "prompts").mkdir(parents=True)
+    (tmp_path / "examples" / "prompts" / "cot.txt").write_text("{}")
+    assert path_errors(config, tmp_path) == {}
+
+
+def test_the_rule_agrees_with_nemo_rl_task_data_spec(tmp_path):
+    """For each path, NeMo-RL v0.7.0's own TaskDataSpec (run in `tmp_path` as working directory) raises
+    exactly when our rule reports an error."""
+    (tmp_path / "here.txt").write_text("Q: {}")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "p.txt").write_text("{}")
+    paths = ["here.txt", "sub/p.txt", "missing.txt", "sub/missing.txt", str(tmp_path / "here.txt"),
+             str(tmp_path / "gone.txt")]
+    raised = run_with_nemo_rl(
+        "from nemo_rl.data.interfaces import TaskDataSpec",
+        f"""
+        out = {{}}
+        for path in {paths!r}:
+            try:
+                TaskDataSpec(task_name="t", prompt_file=path)
+                out[path] = False
+            except FileNotFoundError:
+                out[path] = True
+        print(json.dumps(out))
+        """,
+        cwd=tmp_path,
+    )
+    for path in paths:
+        config = {"data": {"default": {"prompt_file": path}}}
+        ours = "data.default.prompt_file" in path_errors(config, tmp_path)
+        assert ours == raised[path], (path, ours, raised[path])
+    assert raised == {p: ("missing" in p or "gone" in p) for p in paths}
+
+
+def test_bapo_nemo_check_takes_the_job_working_directory(tmp_path):
+    """The CLI end to end: the same config fails from the checkout and passes with --workdir set to a
+    directory that holds the prompt."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "cot.txt").write_text("{}")
+
+    def check(*extra):
+        result = subprocess.run(
+            [sys.executable, "-m", "bapo_nemo.cli", "check", str(CONFIGS / "bapo_7b.yaml"),
+             "data.validation.0.prompt_file=prompts/cot.txt", "--nodes", "1", "--gpus-per-node", "8",
+             "--json", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        )
+        report = json.loads(result.stdout)
+        return [f for f in report["findings"] if f["key"] == "data.validation[0].prompt_file"]
+
+    assert [f["level"] for f in check()] == ["error"]
+    assert check("--workdir", str(tmp_path)) == []
