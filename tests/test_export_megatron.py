@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,11 @@ import yaml
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bapo_nemo.cli import main as cli_main
-from bapo_nemo.export import megatron
+from bapo_nemo.export import megatron, megatron_python
 from bapo_nemo.export.checkpoint import resolve_checkpoint
 from bapo_nemo.export.parity import read_reference_logprobs, write_reference_logprobs
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def nemo_step_dir(root: Path, overrides_key: str = "hf_config_overrides") -> Path:
@@ -131,3 +135,64 @@ def test_real_megatron_checkpoint_export(tmp_path):
         pytest.skip("set BAPO_TEST_MEGATRON_STEP_DIR to a NeMo-RL checkpoint_dir/step_<N> to run this test")
     assert cli_main(["export", step, "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+# ---- which Python converts (the image's default venv has no Megatron-Bridge) -----------------------------
+def recording_python(path: Path, log: Path) -> Path:
+    """A stand-in for a venv's bin/python that records how it was called, then runs this Python (the real
+    worker venv, with Megatron-Bridge, exists only in the image)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/bin/bash\n"
+        f'printf "%s\\n" "$@" > "{log}"\n'
+        f'echo "CHILD=${{BAPO_EXPORT_IN_MEGATRON_PYTHON:-}} PWD=$PWD" >> "{log}"\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_export_of_a_nemo_rl_checkpoint_reruns_in_the_megatron_worker_venv(tmp_path):
+    """`bapo-nemo export` with a Python lacking Megatron-Bridge re-runs itself with the Megatron worker
+    venv's Python ($NEMO_RL_VENV_DIR/<MegatronPolicyWorker fqn>/bin/python), paths made absolute; its
+    exit code is the export's."""
+    step = nemo_step_dir(tmp_path)
+    venvs, log = tmp_path / "ray_venvs", tmp_path / "child.log"
+    worker = venvs / megatron_python.MEGATRON_WORKER / "bin" / "python"
+    recording_python(worker, log)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NEMO_RL_VENV_DIR": str(venvs)}
+    env.pop(megatron_python.CHILD_ENV, None)
+    rel_step = os.path.relpath(step, tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", "export", rel_step, "--out", "hf", "--force"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert f"exporting with {worker}" in result.stdout
+    argv = log.read_text().splitlines()
+    assert argv[:7] == ["-m", "bapo_nemo.cli", "export", str(step), "--out", str(tmp_path / "hf"), "--force"]
+    assert argv[-1].startswith("CHILD=1 ")  # the child does not re-run itself again
+    # Here the stand-in venv has no Megatron-Bridge either: the child fails and says where it looked.
+    assert result.returncode == 2
+    assert "needs NeMo-RL v0.7.0 with Megatron-Bridge" in result.stderr and str(worker) in result.stderr
+
+
+def test_megatron_python_order(tmp_path, monkeypatch):
+    """Worker venv first, then `uv run --extra mcore` in NeMo-RL's source, else none (export fails here)."""
+    monkeypatch.setattr(megatron_python, "has_megatron_bridge", lambda: False)
+    monkeypatch.setenv("NEMO_RL_VENV_DIR", str(tmp_path / "venvs"))
+    monkeypatch.setenv("NEMO_RL_DIR", str(tmp_path / "nemo-rl"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert megatron_python.megatron_python() is None
+    (tmp_path / "nemo-rl").mkdir()
+    (tmp_path / "nemo-rl" / "pyproject.toml").write_text("[project]\nname='nemo-rl'\n")
+    (tmp_path / "bin").mkdir()
+    uv = tmp_path / "bin" / "uv"
+    uv.write_text("#!/bin/sh\n")
+    uv.chmod(0o755)
+    assert megatron_python.megatron_python() == [
+        str(uv), "run", "--locked", "--extra", "mcore", "--directory", str(tmp_path / "nemo-rl"), "python"]
+    worker = recording_python(tmp_path / "venvs" / megatron_python.MEGATRON_WORKER / "bin" / "python",
+                              tmp_path / "log")
+    assert megatron_python.megatron_python() == [str(worker)]
+    monkeypatch.setattr(megatron_python, "has_megatron_bridge", lambda: True)
+    assert megatron_python.megatron_python() is None  # this Python can do it itself

@@ -46,6 +46,11 @@ def main(args: argparse.Namespace) -> int:
             if args.fp8:
                 raise ExportError("--fp8 is for embedded checkpoints: export the NeMo-RL checkpoint without --fp8, "
                                   "then quantise the HF model with ModelOpt's examples/llm_ptq/hf_ptq.py on a GPU")
+            from bapo_nemo.export import megatron_python as mp
+
+            python = None if mp.in_rerun() else mp.megatron_python()
+            if python is not None:  # the image's default venv has no Megatron-Bridge
+                return mp.rerun_with(python, mp.export_cli_args(args))
             from bapo_nemo.export.megatron import export_megatron
 
             result = export_megatron(ref, args.out, force=args.force)

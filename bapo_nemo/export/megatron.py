@@ -51,9 +51,12 @@ def _import_exporter():
     try:
         from nemo_rl.models.megatron.community_import import export_model_from_megatron
     except (ImportError, RuntimeError) as exc:  # transformer-engine raises RuntimeError without CUDA
+        from bapo_nemo.export.megatron_python import where_looked
+
         raise ExportError(
             "exporting a NeMo-RL Megatron checkpoint needs NeMo-RL v0.7.0 with Megatron-Bridge: run it inside "
-            f"nvcr.io/nvidia/nemo-rl:v0.7.0 (import failed: {exc})"
+            f"nvcr.io/nvidia/nemo-rl:v0.7.0 (import failed: {exc}; also looked for {where_looked()}; "
+            "NEMO_RL_VENV_DIR and NEMO_RL_DIR move them)"
         ) from exc
     return export_model_from_megatron
 
