@@ -80,3 +80,44 @@ newest_checkpoint() {
   [[ -d "$dir" ]] || return 0
   find "$dir" -mindepth 1 -maxdepth 1 -type d -name 'step_*' -printf '%f\n' 2>/dev/null | sort -t_ -k2,2n | tail -n 1
 }
+
+# raise_open_file_limit: soft open-file limit up to 65535 (Ray's large-cluster advice; NeMo-RL's ray.sub
+# does the same), never above the hard limit and never lowered.
+raise_open_file_limit() {
+  local want=65535 soft hard
+  soft=$(ulimit -Sn)
+  hard=$(ulimit -Hn)
+  [[ "$soft" == unlimited ]] || ((soft >= want)) && return 0
+  if [[ "$hard" != unlimited ]] && ((hard < want)); then
+    log "WARNING: open-file hard limit is $hard (< $want): Ray may fail on large jobs; ask the admins to raise it"
+    want=$hard
+  fi
+  ulimit -Sn "$want"
+}
+
+# ray_daemon_port_args: `ray start` flags pinning the per-node daemons' ports below the ephemeral range
+# (32768-60999). Left to Ray they are picked at random there, and a port taken meanwhile as the source port
+# of an outgoing connection fails the daemon with EADDRINUSE. Defaults sit in 30001-30011, clear of the
+# ranges NeMo-RL uses (9900-9901 GCS, 10002-11000 Ray workers, 11001-15000 vLLM, 15001-20000 NeMo Gym,
+# 20001+ vLLM rendezvous, 25000-28000 torch.distributed); one Ray node per machine, so head and workers
+# share them.
+ray_daemon_port_args() {
+  printf '%s\n' \
+    "--node-manager-port=${RAY_NODE_MANAGER_PORT:-30001}" \
+    "--object-manager-port=${RAY_OBJECT_MANAGER_PORT:-30003}" \
+    "--runtime-env-agent-port=${RAY_RUNTIME_ENV_AGENT_PORT:-30005}" \
+    "--dashboard-agent-grpc-port=${RAY_DASHBOARD_AGENT_GRPC_PORT:-30007}" \
+    "--dashboard-agent-listen-port=${RAY_DASHBOARD_AGENT_LISTEN_PORT:-30009}" \
+    "--metrics-export-port=${RAY_METRICS_EXPORT_PORT:-30011}"
+}
+
+# require_megatron_checkpoint_dir: NeMo-RL converts the HF base model to Megatron once, into
+# $NRL_MEGATRON_CHECKPOINT_DIR (else $HF_HOME/nemo_rl, else ~/.cache on each node: not shared, and the
+# containers do not mount home). Every node must see the same directory, so it must be set and exist here.
+require_megatron_checkpoint_dir() {
+  [[ -n "${NRL_MEGATRON_CHECKPOINT_DIR:-}" ]] ||
+    die "NRL_MEGATRON_CHECKPOINT_DIR is not set: slurm/bapo_32b.sbatch sets it to a directory of the run (shared by all nodes)"
+  require_dir "$NRL_MEGATRON_CHECKPOINT_DIR" "NRL_MEGATRON_CHECKPOINT_DIR on $(hostname)" \
+    "It must be on a filesystem shared by all nodes and mounted into the container."
+  export NRL_MEGATRON_CHECKPOINT_DIR
+}

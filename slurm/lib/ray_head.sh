@@ -5,7 +5,7 @@
 #
 # Environment (set by bapo_32b.sbatch): BAPO_REPO BAPO_CODE_DIR ATTEMPT_DIR HEAD_IP RAY_PORT RAY_CLIENT_PORT
 # RAY_DASHBOARD_PORT RAY_MIN_WORKER_PORT RAY_MAX_WORKER_PORT GPUS_PER_NODE NUM_NODES RAY_JOIN_TIMEOUT
-# STOP_FILE DRIVER_STOP_SIGNAL DRIVER_COMMAND_FILE
+# STOP_FILE DRIVER_STOP_SIGNAL DRIVER_COMMAND_FILE NRL_MEGATRON_CHECKPOINT_DIR [RAY_*_PORT: see common.sh]
 set -uo pipefail
 # shellcheck source=slurm/lib/common.sh
 source "$BAPO_REPO/slurm/lib/common.sh"
@@ -16,6 +16,9 @@ trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 export PYTHONPATH="${BAPO_CODE_DIR:-$BAPO_REPO}${PYTHONPATH:+:$PYTHONPATH}"
 
 log "Ray head on $(hostname) ($HEAD_IP:$RAY_PORT), waiting for $NUM_NODES node(s)"
+raise_open_file_limit
+require_megatron_checkpoint_dir
+mapfile -t port_args < <(ray_daemon_port_args)
 ray stop --force >/dev/null 2>&1 || true
 ray start --head \
   --disable-usage-stats \
@@ -27,6 +30,7 @@ ray start --head \
   --min-worker-port="$RAY_MIN_WORKER_PORT" \
   --max-worker-port="$RAY_MAX_WORKER_PORT" \
   --num-gpus="$GPUS_PER_NODE" \
+  "${port_args[@]}" \
   --resources='{"slurm_managed_ray_cluster": 1}' ||
   die "ray start --head failed on $(hostname); see the lines above"
 touch "$ATTEMPT_DIR/RAY_HEAD_READY"

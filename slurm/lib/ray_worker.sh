@@ -4,7 +4,7 @@
 # whole job at once instead of leaving the driver hanging on a lost node.
 #
 # Environment (set by bapo_32b.sbatch): BAPO_REPO BAPO_CODE_DIR ATTEMPT_DIR HEAD_IP RAY_PORT RAY_MIN_WORKER_PORT
-# RAY_MAX_WORKER_PORT GPUS_PER_NODE RAY_JOIN_TIMEOUT
+# RAY_MAX_WORKER_PORT GPUS_PER_NODE RAY_JOIN_TIMEOUT NRL_MEGATRON_CHECKPOINT_DIR [RAY_*_PORT: see common.sh]
 set -uo pipefail
 # shellcheck source=slurm/lib/common.sh
 source "$BAPO_REPO/slurm/lib/common.sh"
@@ -22,6 +22,9 @@ until [[ -e "$ATTEMPT_DIR/RAY_HEAD_READY" ]]; do
 done
 
 log "Ray worker on $(hostname) joining $HEAD_IP:$RAY_PORT"
+raise_open_file_limit
+require_megatron_checkpoint_dir
+mapfile -t port_args < <(ray_daemon_port_args)
 ray stop --force >/dev/null 2>&1 || true
 ray start \
   --address="$HEAD_IP:$RAY_PORT" \
@@ -29,6 +32,7 @@ ray start \
   --min-worker-port="$RAY_MIN_WORKER_PORT" \
   --max-worker-port="$RAY_MAX_WORKER_PORT" \
   --num-gpus="$GPUS_PER_NODE" \
+  "${port_args[@]}" \
   --block
 rc=$?
 die "Ray worker on $(hostname) exited with code $rc"
