@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
         attach_parity_recorder(checkpointer, policy, tokenizer, master_config)  # for `bapo-nemo export`'s parity
     after_setup(master_config.model_dump(), logger)
+    from bapo_nemo.nemo.deadline import apply_job_deadline
+
+    apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 
     if master_config.grpo.get("async_grpo", {}).get("enabled", False):
         from nemo_rl.algorithms.grpo import async_grpo_train
