@@ -161,6 +161,8 @@ def test_every_flag_is_one_of_ray_start():
     ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     if ray is None:
         pytest.skip("ray is not installed")
-    help_text = subprocess.run([ray, "start", "--help"], capture_output=True, text=True, timeout=120).stdout
+    help_text = subprocess.run(
+        [ray, "start", "--help"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     for flag in DAEMON_FLAGS:
         assert flag in help_text, flag
