@@ -196,3 +196,60 @@ def test_megatron_python_order(tmp_path, monkeypatch):
     assert megatron_python.megatron_python() == [str(worker)]
     monkeypatch.setattr(megatron_python, "has_megatron_bridge", lambda: True)
     assert megatron_python.megatron_python() is None  # this Python can do it itself
+
+
+# ---- parity of FP8-trained checkpoints --------------------------------------------------------------------
+def test_blockwise_quantisation_by_hand():
+    """One 1x128 tile holding 1.0 and 3.0: scale 448/3, 1.0 -> 149.33 rounds to e4m3's 144 (step 16 in
+    [128, 256)), so it comes back as 144 / 149.33 = 0.9643; 3.0 -> 448 exactly."""
+    from bapo_nemo.export.fp8_blockwise import quantize_dequantize
+
+    x = torch.zeros(1, 128)
+    x[0, 0], x[0, 1] = 1.0, 3.0
+    q = quantize_dequantize(x, 1, 128)
+    assert q[0, 0].item() == pytest.approx(144 * 3 / 448, rel=1e-6)
+    assert q[0, 1].item() == pytest.approx(3.0, rel=1e-6)
+    assert torch.count_nonzero(q[0, 2:]) == 0
+
+
+def test_fp8_trained_checkpoint_passes_on_the_mean_and_wrong_weights_still_fail(tmp_path, monkeypatch, capsys):
+    """Reference log-probs from the blockwise-FP8 forward (as NeMo-RL records them for an FP8-trained
+    policy) against the bf16 export of the same weights: max |dlogp| > 0.05 (the bf16 rule would refuse),
+    mean well under it. Other weights fail the FP8 rule too."""
+    from transformers import Qwen2Config
+
+    from bapo_nemo.export.fp8_blockwise import blockwise_fp8_linears
+    from bapo_nemo.export.parity import token_logprobs
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=768,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2)).to(torch.bfloat16).eval()
+
+    trained = model(0)
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(512, (40,), generator=gen).tolist() for _ in range(6)]
+    with blockwise_fp8_linears(trained):
+        reference = token_logprobs(trained, sequences)
+    bf16 = token_logprobs(trained, sequences)
+    assert max(abs(a - b) for r, c in zip(reference, bf16) for a, b in zip(r, c)) > 0.05
+
+    def export(step, exported, out):
+        write_reference_logprobs(step, sequences, reference, "bfloat16", "test: blockwise FP8 forward")
+        monkeypatch.setattr(megatron, "_import_exporter", lambda: StandInExporter(exported))
+        return cli_main(["export", str(step), "--out", str(tmp_path / out)])
+
+    def fp8_step(root):
+        step = nemo_step_dir(root)
+        config = yaml.safe_load((step / "config.yaml").read_text())
+        config["policy"]["megatron_cfg"] = {"enabled": True, "fp8_cfg": {"enabled": True, "fp8_recipe": "blockwise"}}
+        (step / "config.yaml").write_text(yaml.safe_dump(config))
+        return step
+
+    assert export(fp8_step(tmp_path / "a"), trained, "ok") == 0
+    assert "parity PASS" in capsys.readouterr().out
+    assert export(nemo_step_dir(tmp_path / "b"), trained, "bf16_rule") == 2  # same data under the bf16 rule
+    assert "failed its parity check" in capsys.readouterr().err
+    assert export(fp8_step(tmp_path / "c"), model(7), "wrong") == 2
+    assert "failed its parity check" in capsys.readouterr().err

@@ -7,7 +7,8 @@ that script reads ``policy.hf_overrides``, but the policy key is ``policy.hf_con
 overrides (e.g. a rope-scaling change) were silently dropped. Here they are passed on.
 
 Parity: against ``step_<N>/parity_logprobs.json`` recorded at training time (see ``parity.py``); without
-it the check is reported as not possible, never as passed.
+it the check is reported as not possible, never as passed. FP8-trained checkpoints are judged on the mean
+|dlogp| (``parity.criterion_for``): their reference comes from the FP8 forward, the reload is bf16.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ import yaml
 
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
 from bapo_nemo.export.hf import ExportResult, atomic_output_dir, model_card
-from bapo_nemo.export.parity import compare, read_reference_logprobs, token_logprobs, tolerance_for
+from bapo_nemo.export.parity import compare, criterion_for, read_reference_logprobs, token_logprobs
 
 
 def hf_overrides(policy: dict) -> dict:
     """The policy's HF config overrides under either spelling (v0.7.0's key is ``hf_config_overrides``)."""
     return dict(policy.get("hf_config_overrides") or policy.get("hf_overrides") or {})
+
+
+def trained_in_fp8(policy: dict) -> bool:
+    """Transformer Engine FP8 training: the reference log-probs were computed by the FP8 forward."""
+    megatron_cfg = policy.get("megatron_cfg") or {}
+    return bool(megatron_cfg.get("enabled") and (megatron_cfg.get("fp8_cfg") or {}).get("enabled"))
 
 
 def megatron_weights_path(step_dir: Path) -> Path:
@@ -90,8 +97,9 @@ def export_megatron(ref: CheckpointRef, out: str | Path, force: bool = False, pr
             progress(f"parity NOT CHECKED: {step_dir}/parity_logprobs.json was not recorded at training time")
         else:
             reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype="auto").eval()
+            tolerance, criterion = criterion_for(trained_in_fp8(policy), reloaded.dtype)
             parity = compare(reference["logprobs"], token_logprobs(reloaded, reference["sequences"]),
-                             max(tolerance_for(reloaded.dtype), 5e-2))  # training kernels differ from HF's
+                             tolerance, criterion=criterion)
             progress(parity.summary())
             if not parity.passed:
                 raise ExportError(f"export of {step_dir} failed its parity check ({parity.summary()})")

@@ -25,6 +25,11 @@ REFERENCE_FORMAT = "bapo-nemo.parity_logprobs.v1"
 # Same weights, same dtype, same kernels: differences come only from reloading, so fp32 must agree to
 # rounding noise. bf16 sources get a looser bound (bf16 has ~3 significant digits).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+# A checkpoint trained in FP8 (Transformer Engine, `fp8_cfg.enabled`) records its reference log-probs with
+# the FP8 forward, and the export reloads bf16: per-token differences of 0.07-0.08 nats are routine (max;
+# mean 0.018-0.021, measured with bench/fp8_parity.py), while wrong weights differ by ~0.36 on average. So
+# FP8-trained checkpoints are judged on the mean |dlogp|, the max reported.
+FP8_TRAINED_MEAN_TOLERANCE = 0.05
 
 FIXED_PROMPTS = [
     "12+7*3=?", "48-19+6=?", "7*8-5=?", "100-37*2=?",
@@ -114,6 +119,13 @@ def compare(reference: list[list[float]], candidate: list[list[float]], toleranc
 
 def tolerance_for(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, 5e-2)
+
+
+def criterion_for(trained_in_fp8: bool, dtype: torch.dtype) -> tuple[float, str]:
+    """(tolerance, criterion) for comparing a reload in `dtype` with log-probs recorded at training time."""
+    if trained_in_fp8:
+        return FP8_TRAINED_MEAN_TOLERANCE, "mean"
+    return max(tolerance_for(dtype), 5e-2), "max"  # training kernels differ from HF's
 
 
 def write_reference_logprobs(step_dir: str | Path, sequences: list[list[int]], logprobs: list[list[float]],
