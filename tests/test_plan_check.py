@@ -261,3 +261,21 @@ def test_every_key_of_the_shipped_configs_is_a_v070_key(name):
     [unknown] = unknown_keys(config)
     assert unknown.path == "policy.sequence_packing.fuse_losss"
     assert unknown.suggestion == "policy.sequence_packing.fuse_loss"
+
+
+def test_bapo_under_dtensor_context_parallelism_is_refused():
+    """DTensor with CP > 1 would hand the loss sequence-sharded log-probs next to full-length data: refused
+    (with BAPO on), while CP under Megatron (the shipped configs) and DTensor without CP pass this rule."""
+    dtensor = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true",
+               "++policy.dtensor_cfg.tensor_parallel_size=4", "policy.sequence_packing.enabled=false"]
+    key = "policy.dtensor_cfg.context_parallel_size"
+
+    def errors(*overrides):
+        _, findings, _, _ = run_check(_args(CONFIGS / "bapo_7b.yaml", 1, 8, *overrides))
+        return _errors(findings)
+
+    cp2 = "++policy.dtensor_cfg.context_parallel_size=2"
+    assert "Megatron backend for context parallelism" in errors(*dtensor, cp2)[key]
+    assert key not in errors(*dtensor, "++policy.dtensor_cfg.context_parallel_size=1")
+    assert key not in errors(*dtensor, cp2, "loss_fn.bapo.enabled=false")
+    assert key not in errors()  # Megatron with CP 2, as shipped

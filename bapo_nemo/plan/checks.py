@@ -504,6 +504,18 @@ def _loss_rules(config: dict, plan: ClusterPlan | None) -> list[Finding]:
                 "packed loss): set sequence_packing.enabled=false (dynamic_batching is fine) or use Megatron",
             )
         )
+    dtensor_cp = int(value(config, "policy.dtensor_cfg.context_parallel_size") or 1)
+    if backend == "dtensor" and dtensor_cp > 1:
+        f.append(
+            Finding(
+                "error",
+                "policy.dtensor_cfg.context_parallel_size",
+                f"{dtensor_cp}: BAPO under DTensor context parallelism is not supported (its bound search "
+                "gathers the data tensors to full length, but the log-probs may reach the loss sharded "
+                "along the sequence as plain tensors, and no test covers it): use 1, or the Megatron "
+                "backend for context parallelism",
+            )
+        )
     for key in (
         "loss_fn.force_on_policy_ratio",
         "loss_fn.disable_ppo_ratio",
