@@ -165,3 +165,46 @@ def test_real_v070_mlflow_logger_redacts_resumes_and_journals(tmp_path):
     resumed = Logger(prepare_logger_config(v070_config(tmp_path))["logger"])
     assert resumed.loggers[-1].run_id == run_id
     mlflow.end_run()
+
+
+MOUNTS = """\
+/dev/sda1 / ext4 rw,relatime 0 0
+10.0.0.5:/export/home /shared nfs4 rw,relatime,vers=4.2 0 0
+lustre@o2ib:/scratch /shared/scratch lustre rw,flock 0 0
+tmpfs /shared/scratch/local\\040tmp tmpfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    "path,expected",
+    [
+        ("/home/user/run", None),  # ext4 under /
+        ("/shared/runs/mlflow", "nfs4"),
+        ("/sharedx/run", None),  # a prefix of the name is not the mount point
+        ("/shared/scratch/job/logs", "lustre"),  # the longest mount point wins
+        ("/shared/scratch/local tmp/x", None),  # \040 in /proc/mounts is a space; tmpfs is local
+    ],
+)
+def test_network_filesystem_from_proc_mounts(path, expected):
+    from bapo_nemo.tracking.filesystems import network_filesystem
+
+    assert network_filesystem(path, MOUNTS) == expected
+
+
+def test_sqlite_store_on_a_network_filesystem_is_warned_about(tmp_path, monkeypatch, caplog):
+    """The default sqlite store lands in logger.log_dir; on NFS/Lustre the driver says to use a server.
+    The mount table is the boundary (this machine has no network filesystem): the run directory is
+    declared a Lustre mount point in a stand-in /proc/mounts."""
+    from bapo_nemo.tracking import filesystems
+
+    real = filesystems.filesystem_type
+    mounts = f"/dev/sda1 / ext4 rw 0 0\nlustre@o2ib:/scratch {tmp_path / 'logs'} lustre rw 0 0\n"
+    monkeypatch.setattr(filesystems, "filesystem_type", lambda path, _=None: real(path, mounts))
+    with caplog.at_level("WARNING"):
+        prepare_logger_config(v070_config(tmp_path))
+    assert "is on lustre" in caplog.text and "MLFLOW_TRACKING_URI=http://" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    with caplog.at_level("WARNING"):
+        prepare_logger_config(v070_config(tmp_path))
+    assert "is on lustre" not in caplog.text  # a server: nothing to warn about

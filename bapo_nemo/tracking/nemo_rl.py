@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bapo_nemo.tracking.filesystems import network_filesystem
 from bapo_nemo.tracking.mlflow_tracker import (
     HTTP_ENV_DEFAULTS,
     MlflowTracker,
@@ -78,6 +79,18 @@ def read_saved_run(checkpoint_dir: str | Path) -> dict | None:
     return saved
 
 
+def _warn_if_sqlite_on_network_fs(uri: str) -> None:
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    fs_type = network_filesystem(db.parent)
+    if fs_type:
+        log.warning(
+            "MLflow store %s is on %s: SQLite locking is unreliable on network filesystems; on a cluster "
+            "run an MLflow server and set MLFLOW_TRACKING_URI=http://host:port (docs/tracking.md)", db, fs_type
+        )
+
+
 def prepare_logger_config(master_config: dict) -> dict:
     """Return a copy of ``master_config`` with v0.7.0's MLflow logger turned on and configured."""
     config = copy.deepcopy(_as_dict(master_config))
@@ -97,6 +110,7 @@ def prepare_logger_config(master_config: dict) -> dict:
     except TrackingConfigError as exc:
         raise TrackingConfigError(f"logger.mlflow.tracking_uri: {exc}") from exc
     mlflow_cfg["tracking_uri"] = uri
+    _warn_if_sqlite_on_network_fs(uri)
     mlflow_cfg["experiment_name"] = mlflow_cfg.get("experiment_name") or DEFAULT_EXPERIMENT
     if not mlflow_cfg.get("run_name"):
         checkpoint_dir = _checkpoint_dir(config)
