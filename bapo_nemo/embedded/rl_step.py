@@ -84,6 +84,7 @@ def rl_step(learner: Learner) -> StepOutcome:
 
     # 3. advantage: GRPO, normalised within each group
     batch = build_batch(batch_groups, rewards, learner.tokenizer.pad_token_id)
+    batch = batch.to(next(learner.model.parameters()).device)
 
     # 4. BAPO update: updates_per_batch optimizer updates, each on one mini-batch of whole groups
     updates, staleness = bapo_updates(learner, batch, len(batch_groups))

@@ -1,8 +1,10 @@
-"""The embedded BAPO trainer: one process, a tiny Qwen2, the bundled arithmetic tasks, read top to bottom.
+"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom. The policy is
+the tiny Qwen2 built from config or any HF causal LM (`model.pretrained`); the tasks are the bundled
+arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math-verify).
 
     train(config, output_dir, resume) -> summary dict
 
-1. set-up (`_set_up`): tokenizer, tasks, model, tracker; resume from the newest complete checkpoint if asked
+1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (`_tasks`), tracker; resume from the newest complete checkpoint if asked
 2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup)
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
    BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
@@ -17,6 +19,7 @@ import math
 import random
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +30,15 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, config_differences
+from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, math_verify_reward, truncate_prompt
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
-from bapo_nemo.embedded.model import build_model
+from bapo_nemo.embedded.model import (
+    DTYPES,
+    build_model,
+    load_pretrained,
+    load_pretrained_tokenizer,
+    prepare_model,
+)
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
 from bapo_nemo.embedded.tokenizer import load_tokenizer, save_tokenizer
@@ -81,6 +91,7 @@ class _Run:
     device: torch.device
     learner: Learner
     eval_tasks: list[Task]
+    score: Callable[[str, Task], float]  # reward of a response text
     warmup_stream: TaskStream
     step: int
     history: dict
@@ -102,26 +113,12 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
     torch.manual_seed(cfg.seed)
 
     ckpt = _checkpoint_to_resume(output_dir, config_dict, resume)
-    tokenizer = load_tokenizer()
-    eval_tasks = (
-        load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
-        if cfg.task.eval_file
-        else TaskGenerator(
-            cfg.task.eval_seed,
-            cfg.task.min_ops,
-            cfg.task.max_ops,
-            cfg.task.tail_alpha,
-            cfg.task.max_value,
-            cfg.task.max_operand,
-            prefix="eval",
-        ).sample(cfg.task.eval_size)
-    )
-    pool = load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
+    model, tokenizer, context_window = _policy(cfg, device)
+    encode, eval_tasks, pool, score = _tasks(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.seed, cfg.task, held_out, pool)
     warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool, cfg.warmup.step_error_rate)
 
-    model = build_model(cfg.model, tokenizer, cfg.seed).to(device)
     learner = Learner(
         cfg,
         model,
@@ -130,10 +127,10 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
         stream,
         PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size),
         ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness),
-        sample_gen=torch.Generator().manual_seed(cfg.seed + 1),
+        sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 1),  # sampling runs on the device
         shuffle_gen=torch.Generator().manual_seed(cfg.seed + 2),
-        encode=lambda task: encode_prompt(tokenizer, task.question),
-        reward=lambda rollout: _reward(tokenizer, rollout),
+        encode=encode,
+        reward=lambda rollout: _rollout_reward(tokenizer, score, rollout),
     )
     step, history = 0, {"eval": [], "warmup": None}
     if ckpt is not None:
@@ -160,6 +157,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
         device,
         learner,
         eval_tasks,
+        score,
         warmup_stream,
         step,
         history,
@@ -175,6 +173,78 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
     )
 
 
+def _policy(cfg: RunConfig, device: torch.device) -> tuple[Any, Any, int]:
+    """(model on its device, tokenizer, context window in tokens): `model.pretrained` loaded with its own
+    tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
+    if cfg.model.pretrained is not None:
+        model = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+        tokenizer = load_pretrained_tokenizer(cfg.model.pretrained)
+        window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    else:
+        tokenizer = load_tokenizer()
+        model = build_model(cfg.model, tokenizer, cfg.seed)
+        window = cfg.model.max_position_embeddings
+    return _prepare(cfg, model, device), tokenizer, int(window)
+
+
+def _prepare(cfg: RunConfig, model, device: torch.device):
+    return prepare_model(
+        model, device, cfg.model.dtype, cfg.runtime.autocast, cfg.train.gradient_checkpointing
+    )
+
+
+def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
+    """A saved copy of the policy (checkpoint, warm-up cache), prepared like the original."""
+    return _prepare(cfg, type(like).from_pretrained(str(path), dtype=DTYPES[cfg.model.dtype]), device)
+
+
+def _tasks(cfg: RunConfig, tokenizer, context_window: int):
+    """(encode(task) -> prompt ids, held-out tasks, training pool or None for generated tasks,
+    score(response text, task) -> reward). `data.train_path` set: your dataset, prompts fitted to the
+    context window, graded by `data.reward`; otherwise the bundled tasks (generated or `task.*` JSONL)."""
+    max_prompt = context_window - cfg.rollout.partial.max_response_tokens
+    if max_prompt < 1:
+        raise DataError(
+            f"rollout.partial.max_response_tokens={cfg.rollout.partial.max_response_tokens} leaves no room for "
+            f"a prompt in the model's context window of {context_window} tokens: lower it"
+        )
+
+    def encode(task: Task) -> list[int]:
+        return encode_prompt(tokenizer, task.question)
+
+    if cfg.data.train_path is None:
+        eval_tasks = (
+            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
+            if cfg.task.eval_file
+            else TaskGenerator(
+                cfg.task.eval_seed,
+                cfg.task.min_ops,
+                cfg.task.max_ops,
+                cfg.task.tail_alpha,
+                cfg.task.max_value,
+                cfg.task.max_operand,
+                prefix="eval",
+            ).sample(cfg.task.eval_size)
+        )
+        pool = (
+            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
+        )
+        return encode, eval_tasks, pool, reward
+
+    pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed)
+    pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
+    eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
+    if cfg.data.reward == "math_verify":
+
+        def score(text: str, task: Task) -> float:
+            return math_verify_reward(text, task.answer)
+    else:
+        score = reward
+    if cfg.data.overlong_prompts == "truncate":
+        return (lambda task: truncate_prompt(encode(task), max_prompt)), eval_tasks, pool, score
+    return encode, eval_tasks, pool, score
+
+
 def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(),
@@ -187,7 +257,7 @@ def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
 def _restore(learner: Learner, ckpt: Path, device: torch.device) -> tuple[int, dict]:
     """Load a checkpoint into `learner` (model, optimizer, random streams, task stream, rollouts in flight,
     replay buffer, policy version). Returns the checkpoint's step and history."""
-    learner.model = type(learner.model).from_pretrained(str(ckpt / "model")).to(device)
+    learner.model = _load_model(learner.cfg, learner.model, ckpt / "model", device)
     learner.optimizer = _optimizer(learner.cfg, learner.model)
     state = ckpt_io.load_trainer_state(ckpt)
     learner.optimizer.load_state_dict(state["optimizer"])
@@ -233,7 +303,7 @@ def _warm_up(run: _Run) -> None:
     key = warmup_io.cache_key(run.config_dict)
     cached = warmup_io.load_cached(run.output_dir, key)
     if cached is not None:
-        learner.model = type(learner.model).from_pretrained(str(cached[0])).to(run.device)
+        learner.model = _load_model(cfg, learner.model, cached[0], run.device)
         learner.optimizer = _optimizer(cfg, learner.model)
         warm_metrics = cached[1]
     else:
@@ -316,6 +386,8 @@ def _run_eval(run: _Run, at_step: int) -> dict[str, float]:
         cfg.rollout.partial.max_response_tokens,
         seed=cfg.task.eval_seed,
         temperature=cfg.rollout.temperature,
+        encode=run.learner.encode,
+        score=run.score,
     )
     run.history["eval"].append({"step": at_step, **result})
     return result
@@ -342,7 +414,7 @@ def _save(run: _Run, at_step: int) -> Path:
         "mlflow_tracking_uri": run.tracking_uri,
         "config_hash": config_hash(run.config_dict),
         "bapo": run.cfg.loss.bapo.model_dump(mode="json"),
-        "model_name": MODEL_NAME,
+        "model_name": run.cfg.model.pretrained or MODEL_NAME,
         "last_eval": history["eval"][-1] if history["eval"] else None,
     }
     rollout_state = {"manager": learner.manager.state_dict(), "replay": learner.replay.state_dict()}
@@ -407,9 +479,9 @@ def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, o
         print(f"could not log the training plot ({type(exc).__name__}: {exc})")
 
 
-def _reward(tokenizer, rollout) -> float:
+def _rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:
     task = Task(rollout.prompt_id, rollout.meta["question"], rollout.meta["answer"])
-    return reward(decode_response(tokenizer, rollout.response_token_ids), task)
+    return score(decode_response(tokenizer, rollout.response_token_ids), task)
 
 
 def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
