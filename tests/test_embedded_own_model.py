@@ -343,7 +343,7 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     model_dir = save_tiny_model("qwen2", tmp_path)
     ids = torch.tensor([[1, 5, 7, 9]])
     plain = prepare_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "off", False
+        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "none", False
     )
     assert plain(input_ids=ids).logits.dtype == torch.float32
     assert not plain.is_gradient_checkpointing
@@ -357,3 +357,54 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     torch.testing.assert_close(
         fast(input_ids=ids).logits.float(), plain(input_ids=ids).logits, atol=5e-2, rtol=5e-2
     )
+
+
+def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from_the_cli(tmp_path):
+    """configs/own_model.yaml as the README runs it (a subprocess of the CLI), pointed at a local model
+    and JSONL file, on CPU, for one step; and a directory that is not a model gives a one-line error."""
+    import subprocess
+    import sys
+
+    model_dir = save_tiny_model("qwen2", tmp_path)
+    jsonl = tmp_path / "my_math.jsonl"
+    jsonl.write_text(
+        "".join(json.dumps({"question": r["problem"], "answer": r["final"]}) + "\n" for r in MATH_ROWS)
+    )
+    repo = Path(__file__).resolve().parents[1]
+    base = [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml")]
+    small = [
+        f"data.train_path={jsonl}",
+        "data.eval_size=4",
+        "runtime.device=cpu",
+        "runtime.autocast=none",
+        "rollout.group_size=2",
+        "rollout.prompts_per_step=2",
+        "rollout.partial.token_budget=8",
+        "rollout.partial.max_response_tokens=16",
+        "rollout.partial.max_in_flight_groups=4",
+        "train.max_steps=1",
+        "eval.k=1",
+        "--no-progress",
+    ]
+    done = subprocess.run(
+        [*base, f"model.pretrained={model_dir}", *small, "--output-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout[done.stdout.index("{") :])["step"] == 1
+    assert (tmp_path / "run" / "hf_final" / "COMPLETE").is_file()
+
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run(
+        [*base, f"model.pretrained={tmp_path / 'empty'}", *small, "--output-dir", str(tmp_path / "run2")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: model.pretrained=")
+    assert "not a model directory" in bad.stderr

@@ -37,8 +37,8 @@ class RuntimeConfig(_Section):
         "on a shared machine (more threads spin-wait on busy cores).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu, or cuda for one GPU.")
-    autocast: Literal["off", "bf16"] = Field(
-        "off",
+    autocast: Literal["none", "bf16"] = Field(
+        "none",
         description="bf16: every model forward runs under torch.autocast(bfloat16) (log-probs in fp32).",
     )
     progress: bool = Field(True, description="Show a progress bar.")
