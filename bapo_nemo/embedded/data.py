@@ -152,8 +152,9 @@ def fit_prompts(tasks: list[Task], encode, max_prompt_tokens: int, mode: str, wh
     encoded). Skipping every task is an error."""
     if mode == "truncate":
         return tasks
-    kept = [t for t in tasks if len(encode(t)) <= max_prompt_tokens]
-    skipped = [t.prompt_id for t in tasks if t not in kept]
+    fits = [len(encode(t)) <= max_prompt_tokens for t in tasks]
+    kept = [t for t, ok in zip(tasks, fits) if ok]
+    skipped = [t.prompt_id for t, ok in zip(tasks, fits) if not ok]
     if not kept:
         raise DataError(
             f"every {what} prompt is longer than {max_prompt_tokens} tokens (the context window minus "
