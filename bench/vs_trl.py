@@ -8,9 +8,12 @@ the same sampling distribution. Throughput = generated completion tokens / time 
 excluded. Time is process CPU time (both run single-threaded in this process, so it equals the wall time
 on an otherwise idle machine; wall time on a shared machine is reported too). Ours is measured twice: with partial rollouts (its default) and with them off.
 
+Two model sizes, both built from config with the same initial weights for both trainers: `tiny` (the
+default run's 2-layer, hidden-128 Qwen2, ~0.4M parameters) and `medium` (8 layers, hidden 512, ~25M).
+
     pip install -e '.[bench]'   # trl
-    python bench/vs_trl.py [--steps 12]
-Writes bench/results/vs_trl.json and .png.
+    python bench/vs_trl.py [--steps 12]                        # tiny: bench/results/vs_trl.json and .png
+    python bench/vs_trl.py --size medium --steps 4 --prompts 8   # bench/results/vs_trl_medium.json and .png
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ from bapo_nemo.embedded.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
+# model overrides of configs/local_cpu.yaml per size (tiny: the file's own model)
+SIZES = {
+    "tiny": [],
+    "medium": [
+        "model.hidden_size=512",
+        "model.intermediate_size=1536",
+        "model.num_layers=8",
+        "model.num_heads=8",
+        "model.num_kv_heads=4",
+    ],
+}
 
 
 def throughput(tokens: float, wall_seconds: float, cpu_seconds: float, lengths: list[float]) -> dict:
@@ -64,6 +78,7 @@ def run_ours(args, partial: bool, granularity: str = "step") -> dict:
         f"loss.bapo.granularity={granularity}",
         f"optim.lr={args.lr}",
         f"runtime.num_threads={args.threads}",
+        *SIZES[args.size],
     ]
     cfg = load_config(REPO / "configs" / "local_cpu.yaml", overrides)
     with tempfile.TemporaryDirectory() as out:
@@ -83,8 +98,9 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = load_tokenizer()
-    cfg = load_config(REPO / "configs" / "local_cpu.yaml")
+    cfg = load_config(REPO / "configs" / "local_cpu.yaml", SIZES[args.size])
     model = build_model(cfg.model, tokenizer, seed=cfg.seed)
+    args.parameters = sum(p.numel() for p in model.parameters())
     tasks = TaskGenerator(cfg.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
         args.prompts * (args.steps + 1)
     )
@@ -157,6 +173,12 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny", help="model size (built from config)"
+    )
+    parser.add_argument(
+        "--skip-microbatch", action="store_true", help="leave out the per-micro-batch search variant"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -167,14 +189,12 @@ def main() -> None:
     ours_full = run_ours(args, partial=False)
     print("embedded trainer, partial rollouts on ...")
     ours = run_ours(args, partial=True)
-    print("embedded trainer, partial rollouts off, one bound search per micro-batch (no extra forward) ...")
-    ours_micro = run_ours(args, partial=False, granularity="microbatch")
-    rows = {
-        "trl_grpo": trl,
-        "ours_no_partial": ours_full,
-        "ours_partial": ours,
-        "ours_no_partial_microbatch": ours_micro,
-    }
+    rows = {"trl_grpo": trl, "ours_no_partial": ours_full, "ours_partial": ours}
+    if not args.skip_microbatch:
+        print(
+            "embedded trainer, partial rollouts off, one bound search per micro-batch (no extra forward) ..."
+        )
+        rows["ours_no_partial_microbatch"] = run_ours(args, partial=False, granularity="microbatch")
     for name, r in rows.items():
         print(
             f"  {name:16s} {r['tokens_per_s']:8.0f} tokens per CPU-second ({r['tokens']:.0f} tokens, "
@@ -183,11 +203,17 @@ def main() -> None:
         )
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     ratio_full = ours_full["tokens_per_s"] / trl["tokens_per_s"]
-    ratio_micro = ours_micro["tokens_per_s"] / trl["tokens_per_s"]
     print(
-        f"\nours / TRL: {ratio:.2f}x with partial rollouts, {ratio_full:.2f}x without, "
-        f"{ratio_micro:.2f}x without and with micro-batch bound search"
+        f"\n{args.size} model ({args.parameters / 1e6:.1f}M parameters), ours / TRL: {ratio:.2f}x with partial "
+        f"rollouts, {ratio_full:.2f}x without"
+        + (
+            f", {rows['ours_no_partial_microbatch']['tokens_per_s'] / trl['tokens_per_s']:.2f}x without and "
+            "with micro-batch bound search"
+            if "ours_no_partial_microbatch" in rows
+            else ""
+        )
     )
+    stem = "vs_trl" if args.size == "tiny" else f"vs_trl_{args.size}"
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {
@@ -196,29 +222,31 @@ def main() -> None:
         "ratio_partial_vs_trl": ratio,
         "ratio_no_partial_vs_trl": ratio_full,
     }
-    (RESULTS / "vs_trl.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    names = [
-        "TRL\nGRPOTrainer",
-        "ours\n(no partial)",
-        "ours\n(partial)",
-        "ours (no partial,\nmicro-batch search)",
-    ]
+    labels = {
+        "trl_grpo": "TRL\nGRPOTrainer",
+        "ours_no_partial": "ours\n(no partial)",
+        "ours_partial": "ours\n(partial)",
+        "ours_no_partial_microbatch": "ours (no partial,\nmicro-batch search)",
+    }
     ax.bar(
-        names,
-        [trl["tokens_per_s"], ours_full["tokens_per_s"], ours["tokens_per_s"], ours_micro["tokens_per_s"]],
-        color=["tab:gray", "tab:cyan", "tab:blue", "tab:green"],
+        [labels[k] for k in rows],
+        [r["tokens_per_s"] for r in rows.values()],
+        color=["tab:gray", "tab:cyan", "tab:blue", "tab:green"][: len(rows)],
     )
     ax.set_ylabel("generated tokens / CPU-second (RL steps)")
-    ax.set_title(f"end-to-end RL on CPU: ours {ratio:.2f}x TRL")
+    ax.set_title(
+        f"end-to-end RL on CPU, {args.size} model ({args.parameters / 1e6:.1f}M): ours {ratio:.2f}x TRL"
+    )
     fig.tight_layout()
-    fig.savefig(RESULTS / "vs_trl.png", dpi=120)
-    print(f"wrote {RESULTS / 'vs_trl.json'} and .png")
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
+    print(f"wrote {RESULTS / (stem + '.json')} and .png")
 
 
 if __name__ == "__main__":

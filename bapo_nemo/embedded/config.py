@@ -37,12 +37,22 @@ class RuntimeConfig(_Section):
         "on a shared machine (more threads spin-wait on busy cores).",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu, or cuda for one GPU.")
+    autocast: Literal["none", "bf16"] = Field(
+        "none",
+        description="bf16: every model forward runs under torch.autocast(bfloat16) (log-probs in fp32).",
+    )
     progress: bool = Field(True, description="Show a progress bar.")
 
 
 class ModelConfig(_Section):
-    """A tiny Qwen2 built from a config (`Qwen2Config` + `Qwen2ForCausalLM`)."""
+    """A tiny Qwen2 built from a config (`Qwen2Config` + `Qwen2ForCausalLM`), or, with `pretrained`, any
+    causal LM and its tokenizer (`AutoModelForCausalLM` / `AutoTokenizer`; the size keys are then unused)."""
 
+    pretrained: str | None = Field(
+        None,
+        description="Local HF model directory or hub id (hub ids need the network); null: the tiny Qwen2.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)
     num_layers: int = Field(2, ge=1)
@@ -85,6 +95,32 @@ class TaskConfig(_Section):
         if self.min_ops > self.max_ops:
             raise ValueError(f"min_ops={self.min_ops} must be <= max_ops={self.max_ops}")
         return self
+
+
+class DataConfig(_Section):
+    """Your own prompts and reference answers from local Hugging Face `datasets` files (parquet, JSON/JSONL,
+    CSV, arrow, or a directory); used instead of `task` when `train_path` is set."""
+
+    train_path: str | None = Field(None, description="Training prompts; null: the `task` section's tasks.")
+    eval_path: str | None = Field(
+        None, description="Held-out prompts; null: hold out eval_size training rows."
+    )
+    split: str = Field("train", description="Split of train_path to read (sources with several splits).")
+    eval_split: str = Field("train", description="Split of eval_path to read.")
+    prompt_field: str = Field("question", description="Column holding the prompt.")
+    answer_field: str = Field("answer", description="Column holding the reference answer.")
+    solution_field: str | None = Field(None, description="Column with reference solutions (for the warm-up).")
+    prompt_template: str = Field("{prompt}", description='Each prompt is this text with "{prompt}" replaced.')
+    eval_size: int = Field(64, ge=1, description="Rows held out from train_path when eval_path is null.")
+    reward: Literal["math_verify", "arithmetic"] = Field(
+        "math_verify", description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'."
+    )
+    overlong_prompts: Literal["skip", "truncate"] = Field(
+        "skip",
+        description="Prompts longer than the context window minus rollout.partial.max_response_tokens: "
+        "skip them (counted in a warning) or keep their last tokens.",
+    )
+    max_bad_fraction: float = Field(0.1, ge=0, le=1, description="Most malformed rows tolerated.")
 
 
 class WarmupConfig(_Section):
@@ -164,6 +200,9 @@ class TrainConfig(_Section):
         description="bapo.granularity=step: up to this many tokens in a mini-batch, keep the micro-batches' "
         "autograd graphs until the bounds are known instead of running an extra no-grad forward (0: never).",
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (less memory, ~30% more compute)."
+    )
 
 
 class EvalConfig(_Section):
@@ -189,6 +228,7 @@ class RunConfig(_Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
@@ -201,6 +241,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _lengths_fit_the_model(self) -> RunConfig:
+        if self.model.pretrained is not None or self.data.train_path is not None:
+            return self  # checked at set-up against the model's context window and the tokenized prompts
         longest_prompt = 2 + (2 + 1) * self.task.max_ops + 2  # BOS + "dd" + ("+d") * ops + "?" (generous)
         need = longest_prompt + self.rollout.partial.max_response_tokens
         if need > self.model.max_position_embeddings:

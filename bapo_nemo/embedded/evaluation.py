@@ -10,7 +10,15 @@ from bapo_nemo.embedded.tasks import Task, reward
 
 
 def encode_prompt(tokenizer, question: str) -> list[int]:
-    return [tokenizer.bos_token_id] + tokenizer.encode(question, add_special_tokens=False)
+    """The prompt's token ids: the question as a user turn of the tokenizer's chat template (with the
+    assistant turn opened) when it has one; otherwise BOS (if any) and the question's tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(question, add_special_tokens=False)
 
 
 def decode_response(tokenizer, token_ids: list[int]) -> str:
@@ -27,11 +35,18 @@ def evaluate(
     seed: int,
     temperature: float = 1.0,
     batch_size: int = 256,
+    encode=None,
+    score=None,
 ) -> dict[str, float]:
     """avg@k, pass@k and mean response length over `tasks`. The sampling seed is fixed, so successive
-    evaluations of a changing policy share their random numbers (less noise between points)."""
-    generator = torch.Generator().manual_seed(seed)
-    contexts = [encode_prompt(tokenizer, t.question) for t in tasks for _ in range(k)]
+    evaluations of a changing policy share their random numbers (less noise between points).
+
+    encode(task) -> prompt ids and score(response text, task) -> reward default to the bundled tasks'
+    (`encode_prompt`, the arithmetic `reward`)."""
+    encode = encode or (lambda t: encode_prompt(tokenizer, t.question))
+    score = score or reward
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    contexts = [encode(t) for t in tasks for _ in range(k)]
     outs = []
     for start in range(0, len(contexts), batch_size):
         outs += sample_continuations(
@@ -44,7 +59,7 @@ def evaluate(
             temperature,
         )
     correct = [
-        reward(decode_response(tokenizer, o.token_ids), tasks[i // k]) if o.finished else 0.0
+        score(decode_response(tokenizer, o.token_ids), tasks[i // k]) if o.finished else 0.0
         for i, o in enumerate(outs)
     ]
     per_prompt = [correct[i * k : (i + 1) * k] for i in range(len(tasks))]

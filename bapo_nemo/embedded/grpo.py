@@ -34,7 +34,7 @@ class TokenBatch:
     group_index: torch.Tensor  # [N]
 
     def select(self, rows: list[int]) -> TokenBatch:
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
         width = int(self.attention_mask[idx].sum(-1).max())  # drop columns that are padding for all rows
         fields = {}
         for name, value in self.__dict__.items():
@@ -46,6 +46,9 @@ class TokenBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(**{name: value.to(device) for name, value in self.__dict__.items()})
 
 
 def build_batch(groups: list[RolloutGroup], rewards: list[list[float]], pad_token_id: int) -> TokenBatch:
@@ -91,7 +94,7 @@ def forward_logprobs(model, batch: TokenBatch, micro_batch_size: int) -> torch.T
     for rows in length_sorted_micro_batches(batch, micro_batch_size):
         micro = batch.select(rows)
         lp, _ = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask, with_entropy=False)
-        out[torch.tensor(rows), : lp.shape[1]] = lp
+        out[torch.tensor(rows, device=out.device), : lp.shape[1]] = lp
     return out
 
 
@@ -126,7 +129,7 @@ def policy_update(
                 micro = batch.select(rows)
                 lp, entropy = token_logprobs_and_entropy(model, micro.input_ids, micro.attention_mask)
                 forwards.append((lp, entropy))
-                current[torch.tensor(rows), : lp.shape[1]] = lp.detach()
+                current[torch.tensor(rows, device=current.device), : lp.shape[1]] = lp.detach()
         else:
             current = forward_logprobs(model, batch, micro_batch_size)
         ratio = importance_ratio(current, old_logprobs)

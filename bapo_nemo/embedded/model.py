@@ -1,6 +1,11 @@
-"""The tiny Qwen2-architecture policy, built from a config (no download)."""
+"""The policy: the tiny Qwen2-architecture model built from a config (no download), or any pretrained
+causal LM (`model.pretrained`), and how it is placed on its device (dtype, bf16 autocast, gradient
+checkpointing)."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -47,3 +52,75 @@ def token_logprobs_and_entropy(
     if with_entropy:
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     return token_lp, entropy
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """`model.pretrained` does not name a loadable causal LM; the message says what was found."""
+
+
+def load_pretrained(name: str, dtype: str):
+    """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A local directory must hold a model
+    (config.json); anything else is taken as a hub id, which needs the network."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(name).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: {path} is not a model directory (no config.json); point it at a "
+            "directory written by save_pretrained, or a hub id"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        where = "the local directory" if path.exists() else "the hub (is the network reachable?)"
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: cannot load a causal LM from {where}: {str(exc).splitlines()[0]}"
+        ) from None
+
+
+def prepare_model(model, device: torch.device, dtype: str, autocast: str, gradient_checkpointing: bool):
+    """Move `model` to `device` and `dtype`, then: gradient checkpointing (activations recomputed in the
+    backward pass) and bf16 autocast around `forward` (the callers take fp32 log-probs of the logits).
+    Applied again to every copy loaded from disk (resume, warm-up cache): neither is saved with it."""
+    model = model.to(device=device, dtype=DTYPES[dtype])
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if autocast == "bf16":
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+    return model
+
+
+def load_pretrained_tokenizer(name: str):
+    """`AutoTokenizer.from_pretrained(name)` (the tokenizer of `model.pretrained`), left-padded. A tokenizer
+    without a pad token pads with its EOS token (padding is always masked out); one without either is
+    an error."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: cannot load its tokenizer: {str(exc).splitlines()[0]}"
+        ) from None
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: the tokenizer has no EOS token, so responses cannot end; "
+            "set eos_token in its tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        print(
+            f"model.pretrained={name!r}: the tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}"
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer

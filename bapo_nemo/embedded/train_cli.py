@@ -59,11 +59,13 @@ def main(args: argparse.Namespace) -> int:
     except RunConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from bapo_nemo.embedded.trainer import ResumeError, train  # torch/transformers load only now
+    from bapo_nemo.embedded.model import ModelLoadError  # torch/transformers load only now
+    from bapo_nemo.embedded.tasks import TaskFileError
+    from bapo_nemo.embedded.trainer import ResumeError, train
 
     try:
         summary = train(config, args.output_dir, resume=args.resume)
-    except ResumeError as exc:
+    except (ResumeError, ModelLoadError, TaskFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}

@@ -1,13 +1,16 @@
-"""The embedded BAPO trainer: one process, a tiny Qwen2, the bundled arithmetic tasks, read top to bottom.
+"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom. The policy is
+the tiny Qwen2 built from config or any HF causal LM (`model.pretrained`); the tasks are the bundled
+arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math-verify).
 
     train(config, output_dir, resume) -> summary dict
 
-1. set-up: tokenizer, tasks, model, tracker; resume from the newest complete checkpoint if asked
-2. warm-up: supervised fine-tuning on reference solutions (cached in <output_dir>/warmup)
-3. RL steps: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch` BAPO updates
-   (+ replayed groups), held-out avg@k/pass@k every `eval.every` steps, checkpoints every
-   `checkpoint.every` steps; SIGTERM/SIGUSR1 finish the step, checkpoint and return
-4. HF save in <output_dir>/hf_final
+1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (`_tasks`), tracker; resume from the newest
+   complete checkpoint if asked
+2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup)
+3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
+   BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
+   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1 finish the step, checkpoint and return
+4. finish (`_finish`): HF save in <output_dir>/hf_final, summary, training plot
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import math
 import random
 import signal
 import threading
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +31,19 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, config_differences
+from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, math_verify_reward, truncate_prompt
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.grpo import build_batch, forward_logprobs, policy_update
-from bapo_nemo.embedded.model import build_model
-from bapo_nemo.embedded.tasks import TaskGenerator, TaskStream, load_jsonl_tasks, reward
-from bapo_nemo.embedded.tokenizer import load_tokenizer, save_tokenizer
-from bapo_nemo.rollout import (
-    GenerationChunk,
-    PartialRolloutManager,
-    PromptItem,
-    ReplayBuffer,
-    split_minibatches,
+from bapo_nemo.embedded.model import (
+    DTYPES,
+    build_model,
+    load_pretrained,
+    load_pretrained_tokenizer,
+    prepare_model,
 )
+from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
+from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
+from bapo_nemo.embedded.tokenizer import load_tokenizer, save_tokenizer
+from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.tags import config_hash, default_tags
 
@@ -55,7 +59,53 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     """Run (or resume) a training run; returns a summary (steps, held-out accuracy at the start of RL and
     at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1."""
     cfg = config
-    output_dir = Path(output_dir).resolve()
+    run = _set_up(cfg, Path(output_dir).resolve(), resume)
+    with run.stop.installed():
+        if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
+            _warm_up(run)
+        bar = tqdm(
+            total=cfg.train.max_steps, initial=run.step, desc="BAPO RL", disable=not cfg.runtime.progress
+        )
+        while run.step < cfg.train.max_steps and not run.stop.requested:
+            outcome = rl_step(run.learner)
+            run.step += 1
+            metrics = _record_step(run, outcome)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.2f}",
+                acc=f"{run.history['eval'][-1]['eval/avg_at_k']:.2f}",
+                c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
+                c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
+            )
+        bar.close()
+    return _finish(run)
+
+
+# ---- 1. set-up and resume --------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """A run's state around the RL step: what set-up made, what bookkeeping writes to."""
+
+    cfg: RunConfig
+    output_dir: Path
+    config_dict: dict
+    device: torch.device
+    learner: Learner
+    eval_tasks: list[Task]
+    score: Callable[[str, Task], float]  # reward of a response text
+    warmup_stream: TaskStream
+    step: int
+    history: dict
+    resumed_from: Path | None
+    tracker: MlflowTracker
+    run_id: str
+    tracking_uri: str
+    metrics_log: _MetricsLog
+    groups_log: _MetricsLog
+    stop: _StopFlag
+
+
+def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.runtime.num_threads)
     device = torch.device(cfg.runtime.device)
@@ -63,58 +113,29 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    # ---- 1. set-up --------------------------------------------------------------------------------------
     ckpt = _checkpoint_to_resume(output_dir, config_dict, resume)
-    tokenizer = load_tokenizer()
-    eval_tasks = (
-        load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
-        if cfg.task.eval_file
-        else TaskGenerator(
-            cfg.task.eval_seed,
-            cfg.task.min_ops,
-            cfg.task.max_ops,
-            cfg.task.tail_alpha,
-            cfg.task.max_value,
-            cfg.task.max_operand,
-            prefix="eval",
-        ).sample(cfg.task.eval_size)
-    )
-    pool = load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
+    model, tokenizer, context_window = _policy(cfg, device)
+    encode, eval_tasks, pool, score = _tasks(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.seed, cfg.task, held_out, pool)
     warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool, cfg.warmup.step_error_rate)
 
-    model = build_model(cfg.model, tokenizer, cfg.seed).to(device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
+    learner = Learner(
+        cfg,
+        model,
+        _optimizer(cfg, model),
+        tokenizer,
+        stream,
+        PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size),
+        ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness),
+        sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 1),  # sampling runs on the device
+        shuffle_gen=torch.Generator().manual_seed(cfg.seed + 2),
+        encode=encode,
+        reward=lambda rollout: _rollout_reward(tokenizer, score, rollout),
     )
-    manager = PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size)
-    replay = ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness)
-    sample_gen = torch.Generator().manual_seed(cfg.seed + 1)  # generation
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 2)  # mini-batch split and replay sampling
-    step, version, history = 0, 0, {"eval": [], "warmup": None}
-
+    step, history = 0, {"eval": [], "warmup": None}
     if ckpt is not None:
-        model = type(model).from_pretrained(str(ckpt / "model")).to(device)
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.optim.lr,
-            betas=(cfg.optim.beta1, cfg.optim.beta2),
-            weight_decay=cfg.optim.weight_decay,
-        )
-        state = ckpt_io.load_trainer_state(ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        sample_gen.set_state(state["rng"]["sample"])
-        shuffle_gen.set_state(state["rng"]["shuffle"])
-        stream.set_state(state["task_stream"])
-        step, version, history = state["step"], state["policy_version"], state["history"]
-        rollout_state = ckpt_io.load_rollout_state(ckpt)
-        manager.load_state_dict(rollout_state["manager"])
-        replay.load_state_dict(rollout_state["replay"])
+        step, history = _restore(learner, ckpt, device)
         run_id = ckpt_io.load_training_info(ckpt).get("mlflow_run_id")
     else:
         run_id = _saved_run_id(output_dir) if resume else None
@@ -129,270 +150,127 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
     )
     run_id = tracker.start(config_dict, {**default_tags(config_dict), "bapo.runtime": "embedded"})
     (output_dir / "mlflow_run_id").write_text(run_id + "\n")
-    metrics_log = _MetricsLog(output_dir / "metrics.jsonl", keep_up_to=step if ckpt is not None else -1)
-    # Which prompt groups each step trained on, with their segment counts: the audit trail showing that
-    # responses in flight at a checkpoint are finished after a resume, not dropped.
-    groups_log = _MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to=step if ckpt is not None else -1)
-    stop = _StopFlag()
+    keep_up_to = step if ckpt is not None else -1
+    return _Run(
+        cfg,
+        output_dir,
+        config_dict,
+        device,
+        learner,
+        eval_tasks,
+        score,
+        warmup_stream,
+        step,
+        history,
+        ckpt,
+        tracker,
+        run_id,
+        tracking_uri,
+        _MetricsLog(output_dir / "metrics.jsonl", keep_up_to),
+        # Which prompt groups each step trained on, with their segment counts: the audit trail showing that
+        # responses in flight at a checkpoint are finished after a resume, not dropped.
+        _MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to),
+        _StopFlag(),
+    )
 
-    def save(at_step: int) -> Path:
-        trainer_state = {
-            "step": at_step,
-            "policy_version": version,
-            "history": history,
-            "optimizer": optimizer.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "sample": sample_gen.get_state(),
-                "shuffle": shuffle_gen.get_state(),
-            },
-            "task_stream": stream.state(),
-        }
-        info = {
-            "step": at_step,
-            "policy_version": version,
-            "mlflow_run_id": run_id,
-            "mlflow_tracking_uri": tracking_uri,
-            "config_hash": config_hash(config_dict),
-            "bapo": cfg.loss.bapo.model_dump(mode="json"),
-            "model_name": MODEL_NAME,
-            "last_eval": history["eval"][-1] if history["eval"] else None,
-        }
-        rollout_state = {"manager": manager.state_dict(), "replay": replay.state_dict()}
-        return ckpt_io.save_checkpoint(
-            output_dir,
-            at_step,
-            model,
-            tokenizer,
-            trainer_state,
-            rollout_state,
-            config_dict,
-            info,
-            cfg.checkpoint.keep_last,
+
+def _policy(cfg: RunConfig, device: torch.device) -> tuple[Any, Any, int]:
+    """(model on its device, tokenizer, context window in tokens): `model.pretrained` loaded with its own
+    tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
+    if cfg.model.pretrained is not None:
+        model = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+        tokenizer = load_pretrained_tokenizer(cfg.model.pretrained)
+        window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    else:
+        tokenizer = load_tokenizer()
+        model = build_model(cfg.model, tokenizer, cfg.seed)
+        window = cfg.model.max_position_embeddings
+    return _prepare(cfg, model, device), tokenizer, int(window)
+
+
+def _prepare(cfg: RunConfig, model, device: torch.device):
+    return prepare_model(
+        model, device, cfg.model.dtype, cfg.runtime.autocast, cfg.train.gradient_checkpointing
+    )
+
+
+def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
+    """A saved copy of the policy (checkpoint, warm-up cache), prepared like the original."""
+    return _prepare(cfg, type(like).from_pretrained(str(path), dtype=DTYPES[cfg.model.dtype]), device)
+
+
+def _tasks(cfg: RunConfig, tokenizer, context_window: int):
+    """(encode(task) -> prompt ids, held-out tasks, training pool or None for generated tasks,
+    score(response text, task) -> reward). `data.train_path` set: your dataset, prompts fitted to the
+    context window, graded by `data.reward`; otherwise the bundled tasks (generated or `task.*` JSONL)."""
+    max_prompt = context_window - cfg.rollout.partial.max_response_tokens
+    if max_prompt < 1:
+        raise DataError(
+            f"rollout.partial.max_response_tokens={cfg.rollout.partial.max_response_tokens} leaves no room for "
+            f"a prompt in the model's context window of {context_window} tokens: lower it"
         )
 
-    def run_eval(at_step: int) -> dict[str, float]:
-        result = evaluate(
-            model,
-            tokenizer,
-            eval_tasks,
-            cfg.eval.k,
-            cfg.rollout.partial.max_response_tokens,
-            seed=cfg.task.eval_seed,
-            temperature=cfg.rollout.temperature,
+    def encode(task: Task) -> list[int]:
+        return encode_prompt(tokenizer, task.question)
+
+    if cfg.data.train_path is None:
+        eval_tasks = (
+            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
+            if cfg.task.eval_file
+            else TaskGenerator(
+                cfg.task.eval_seed,
+                cfg.task.min_ops,
+                cfg.task.max_ops,
+                cfg.task.tail_alpha,
+                cfg.task.max_value,
+                cfg.task.max_operand,
+                prefix="eval",
+            ).sample(cfg.task.eval_size)
         )
-        history["eval"].append({"step": at_step, **result})
-        return result
+        pool = (
+            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
+        )
+        return encode, eval_tasks, pool, reward
 
-    with stop.installed():
-        # ---- 2. warm-up (skipped when resuming: the checkpoint already holds the warmed-up model) -------
-        if ckpt is None:
-            key = warmup_io.cache_key(config_dict)
-            cached = warmup_io.load_cached(output_dir, key)
-            if cached is not None:
-                model = type(model).from_pretrained(str(cached[0])).to(device)
-                optimizer = torch.optim.AdamW(
-                    model.parameters(),
-                    lr=cfg.optim.lr,
-                    betas=(cfg.optim.beta1, cfg.optim.beta2),
-                    weight_decay=cfg.optim.weight_decay,
-                )
-                warm_metrics = cached[1]
-            else:
-                warm_metrics = warmup_io.run_warmup(
-                    model, tokenizer, warmup_stream, cfg.warmup, device, cfg.runtime.progress
-                )
-                warmup_io.save_cache(output_dir, key, model, warm_metrics)
-            history["warmup"] = warm_metrics
-            start_eval = run_eval(0)
-            tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
-            metrics_log.write({"step": 0, **warm_metrics, **start_eval})
-            save(0)
+    pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed)
+    pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
+    eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
+    if cfg.data.reward == "math_verify":
 
-        # ---- 3. RL steps --------------------------------------------------------------------------------
-        def generate_fn(contexts: list[list[int]], max_new_tokens: int) -> list[GenerationChunk]:
-            outs = sample_continuations(
-                model,
-                contexts,
-                max_new_tokens,
-                tokenizer.eos_token_id,
-                tokenizer.pad_token_id,
-                sample_gen,
-                cfg.rollout.temperature,
-            )
-            return [GenerationChunk(o.token_ids, o.logprobs, o.finished) for o in outs]
-
-        in_flight_cap = cfg.rollout.partial.max_in_flight_groups or 2 * cfg.rollout.prompts_per_step
-        bar = tqdm(total=cfg.train.max_steps, initial=step, desc="BAPO RL", disable=not cfg.runtime.progress)
-        while step < cfg.train.max_steps and not stop.requested:
-            t_start, cpu_start = time.perf_counter(), time.process_time()
-            # rollouts: only complete groups leave the manager; unfinished responses stay in flight
-            groups, generated = manager.take_completed(version, cfg.rollout.prompts_per_step), 0
-            while len(groups) < cfg.rollout.prompts_per_step:
-                queued = manager.num_pending + manager.num_in_flight + manager.num_completed
-                if queued < in_flight_cap:
-                    manager.add_prompts(
-                        [
-                            PromptItem(
-                                t.prompt_id,
-                                encode_prompt(tokenizer, t.question),
-                                {"question": t.question, "answer": t.answer, **t.meta},
-                            )
-                            for t in stream.next(in_flight_cap - queued)
-                        ]
-                    )
-                groups += manager.run_iteration(
-                    generate_fn, version, cfg.rollout.prompts_per_step - len(groups)
-                )
-                generated += manager.stats(version)["rollout/tokens_last_iteration"]
-            rollout_stats = manager.stats(version)
-            t_generated = time.perf_counter()
-            replayed = (
-                replay.sample(cfg.replay.groups_per_step, version, shuffle_gen)
-                if cfg.replay.groups_per_step
-                else []
-            )
-
-            # rewards and GRPO advantages (a response cut off without EOS scores 0)
-            batch_groups = groups + replayed
-            rewards = [[_reward(tokenizer, r) for r in g.rollouts] for g in batch_groups]
-            batch = build_batch(batch_groups, rewards, tokenizer.pad_token_id)
-
-            # the ratio's reference: behaviour log-probs, or proximal ones recomputed now
-            weights = batch.loss_weights
-            if cfg.loss.ratio_reference == "proximal":
-                old = forward_logprobs(model, batch, cfg.train.micro_batch_size)
-                gap = torch.exp(torch.clamp(old - batch.behavior_logprobs, -20, 20))
-                weights = weights * torch.clamp(gap, max=cfg.loss.behavior_weight_cap) * batch.mask
-            else:
-                old = batch.behavior_logprobs
-            staleness = ((version - batch.token_versions) * batch.mask).sum() / batch.mask.sum().clamp_min(1)
-
-            # updates_per_batch optimizer updates, each on one mini-batch of whole groups
-            per_update = []
-            n_updates = min(cfg.train.updates_per_batch, len(batch_groups))
-            for rows in split_minibatches(len(batch), n_updates, cfg.rollout.group_size, shuffle_gen):
-                mb = batch.select(rows)
-                width = mb.mask.shape[1]
-                per_update.append(
-                    policy_update(
-                        model,
-                        optimizer,
-                        mb,
-                        old[rows][:, :width],
-                        weights[rows][:, :width],
-                        cfg.loss,
-                        cfg.train.micro_batch_size,
-                        cfg.optim.grad_clip,
-                        cfg.train.step_search_graph_tokens,
-                    )
-                )
-                version += 1
-            replay.add(
-                groups,
-                min(
-                    (min(r.token_versions, default=version) for g in groups for r in g.rollouts),
-                    default=version,
-                ),
-            )
-            step += 1
-            t_end, cpu_end = time.perf_counter(), time.process_time()
-
-            # metrics
-            fresh = [x for rs in rewards[: len(groups)] for x in rs]
-            lengths = [len(r.response_token_ids) for g in groups for r in g.rollouts]
-            metrics = {key: sum(u[key] for u in per_update) / len(per_update) for key in per_update[0]}
-            metrics.update(
-                {
-                    "reward/mean": sum(fresh) / len(fresh),
-                    "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
-                    "train/response_length_mean": sum(lengths) / len(lengths),
-                    "train/response_length_max": float(max(lengths)),
-                    "train/token_staleness_mean": float(staleness),
-                    "train/replayed_groups": float(len(replayed)),
-                    "train/policy_version": float(version),
-                    "perf/generated_tokens": float(generated),
-                    "perf/generation_tokens_per_s": generated / max(t_generated - t_start, 1e-9),
-                    "perf/tokens_per_s": generated / max(t_end - t_start, 1e-9),
-                    "perf/step_time_s": t_end - t_start,
-                    "perf/step_cpu_s": cpu_end - cpu_start,  # = wall time alone on the machine (1 thread)
-                    **{k: v for k, v in rollout_stats.items() if not k.startswith("rollout/segments_hist")},
-                }
-            )
-            if step % cfg.eval.every == 0 or step == cfg.train.max_steps:
-                metrics.update(run_eval(step))
-            tracker.log_metrics(_finite(metrics), step=step)
-            metrics_log.write({"step": step, **metrics})
-            groups_log.write(
-                {
-                    "step": step,
-                    "groups": [
-                        {"prompt_id": g.prompt_id, "segments": [r.num_segments for r in g.rollouts]}
-                        for g in groups
-                    ],
-                    "replayed": [g.prompt_id for g in replayed],
-                }
-            )
-            if step % cfg.tracking.samples_every == 0:
-                tracker.log_table(
-                    _sample_rows(tokenizer, groups, rewards, step, cfg.tracking.num_samples),
-                    f"samples/step_{step:06d}.json",
-                )
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.2f}",
-                acc=f"{history['eval'][-1]['eval/avg_at_k']:.2f}",
-                c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
-                c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
-            )
-            if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps or stop.requested:
-                save(step)
-        bar.close()
-
-    # ---- 4. finish: HF save (only when the run is done; a stopped run resumes later) ----------------------
-    start_eval = next((e for e in history["eval"] if e["step"] == 0), None)
-    summary = {
-        "step": step,
-        "max_steps": cfg.train.max_steps,
-        "policy_version": version,
-        "stopped_by_signal": stop.signal_name,
-        "mlflow_run_id": run_id,
-        "mlflow_tracking_uri": tracking_uri,
-        "output_dir": str(output_dir),
-        "warmup": history["warmup"],
-        "eval_start": start_eval,
-        "eval_end": history["eval"][-1] if history["eval"] else None,
-        "eval_history": history["eval"],
-    }
-    if stop.requested:
-        # A requeued job resumes from the checkpoint just written; `requeue=True` tells Slurm wrappers so.
-        tracker.flush()
-        return summary
-    if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
-        final = output_dir / "hf_final"
-        ckpt_io.save_model(model, final)
-        save_tokenizer(tokenizer, final)
-        (final / "COMPLETE").write_text(f"step {step}\n")
-    summary["hf_final"] = str(output_dir / "hf_final")
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    tracker.log_artifact(output_dir / "summary.json")
-    _log_training_plot(tracker, tracking_uri, run_id, output_dir / "plots")
-    tracker.finish("FINISHED")
-    return summary
+        def score(text: str, task: Task) -> float:
+            return math_verify_reward(text, task.answer)
+    else:
+        score = reward
+    if cfg.data.overlong_prompts == "truncate":
+        return (lambda task: truncate_prompt(encode(task), max_prompt)), eval_tasks, pool, score
+    return encode, eval_tasks, pool, score
 
 
-# ---- helpers ------------------------------------------------------------------------------------------------
-def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> None:
-    """The run's training-dynamics panels as a PNG artifact; a tracking outage only loses the plot."""
-    from bapo_nemo.tracking.report import log_run_plot
+def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+    )
 
-    if tracker.flush():
-        print("tracking server unreachable: metrics stay journaled; no training plot this time")
-        return
-    try:
-        log_run_plot(tracking_uri, run_id, out_dir)
-    except Exception as exc:  # the plot is a convenience; never fail a finished run for it
-        print(f"could not log the training plot ({type(exc).__name__}: {exc})")
+
+def _restore(learner: Learner, ckpt: Path, device: torch.device) -> tuple[int, dict]:
+    """Load a checkpoint into `learner` (model, optimizer, random streams, task stream, rollouts in flight,
+    replay buffer, policy version). Returns the checkpoint's step and history."""
+    learner.model = _load_model(learner.cfg, learner.model, ckpt / "model", device)
+    learner.optimizer = _optimizer(learner.cfg, learner.model)
+    state = ckpt_io.load_trainer_state(ckpt)
+    learner.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    learner.sample_gen.set_state(state["rng"]["sample"])
+    learner.shuffle_gen.set_state(state["rng"]["shuffle"])
+    learner.stream.set_state(state["task_stream"])
+    learner.version = state["policy_version"]
+    rollout_state = ckpt_io.load_rollout_state(ckpt)
+    learner.manager.load_state_dict(rollout_state["manager"])
+    learner.replay.load_state_dict(rollout_state["replay"])
+    return state["step"], state["history"]
 
 
 def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> Path | None:
@@ -419,13 +297,192 @@ def _saved_run_id(output_dir: Path) -> str | None:
     return path.read_text().strip() or None if path.is_file() else None
 
 
-def _reward(tokenizer, rollout) -> float:
-    if rollout.truncated:
-        return 0.0
-    from bapo_nemo.embedded.tasks import Task
+# ---- 2. warm-up ------------------------------------------------------------------------------------------
+def _warm_up(run: _Run) -> None:
+    """Supervised warm-up (or its cached result), the held-out evaluation at step 0, checkpoint 0."""
+    cfg, learner = run.cfg, run.learner
+    key = warmup_io.cache_key(run.config_dict)
+    cached = warmup_io.load_cached(run.output_dir, key)
+    if cached is not None:
+        learner.model = _load_model(cfg, learner.model, cached[0], run.device)
+        learner.optimizer = _optimizer(cfg, learner.model)
+        warm_metrics = cached[1]
+    else:
+        warm_metrics = warmup_io.run_warmup(
+            learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress
+        )
+        warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
+    run.history["warmup"] = warm_metrics
+    start_eval = _run_eval(run, 0)
+    run.tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
+    run.metrics_log.write({"step": 0, **warm_metrics, **start_eval})
+    _save(run, 0)
 
+
+# ---- 3. bookkeeping after each RL step -------------------------------------------------------------------
+def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
+    """Metrics of the step just taken (to MLflow and metrics.jsonl), the trained groups, samples, held-out
+    evaluation and checkpoint when due. Returns the step's metrics."""
+    cfg, step = run.cfg, run.step
+    metrics = _step_metrics(outcome, run.learner.version)
+    if step % cfg.eval.every == 0 or step == cfg.train.max_steps:
+        metrics.update(_run_eval(run, step))
+    run.tracker.log_metrics(_finite(metrics), step=step)
+    run.metrics_log.write({"step": step, **metrics})
+    run.groups_log.write(
+        {
+            "step": step,
+            "groups": [
+                {"prompt_id": g.prompt_id, "segments": [r.num_segments for r in g.rollouts]}
+                for g in outcome.groups
+            ],
+            "replayed": [g.prompt_id for g in outcome.replayed],
+        }
+    )
+    if step % cfg.tracking.samples_every == 0:
+        run.tracker.log_table(
+            _sample_rows(
+                run.learner.tokenizer, outcome.groups, outcome.rewards, step, cfg.tracking.num_samples
+            ),
+            f"samples/step_{step:06d}.json",
+        )
+    if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps or run.stop.requested:
+        _save(run, step)
+    return metrics
+
+
+def _step_metrics(outcome: StepOutcome, version: int) -> dict[str, float]:
+    updates, t = outcome.updates, outcome.times
+    fresh = [x for rs in outcome.rewards[: len(outcome.groups)] for x in rs]
+    lengths = [len(r.response_token_ids) for g in outcome.groups for r in g.rollouts]
+    generated = outcome.generated_tokens
+    metrics = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    metrics.update(
+        {
+            "reward/mean": sum(fresh) / len(fresh),
+            "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
+            "train/response_length_mean": sum(lengths) / len(lengths),
+            "train/response_length_max": float(max(lengths)),
+            "train/token_staleness_mean": outcome.token_staleness,
+            "train/replayed_groups": float(len(outcome.replayed)),
+            "train/policy_version": float(version),
+            "perf/generated_tokens": float(generated),
+            "perf/generation_tokens_per_s": generated / max(t["generated"] - t["start"], 1e-9),
+            "perf/tokens_per_s": generated / max(t["end"] - t["start"], 1e-9),
+            "perf/step_time_s": t["end"] - t["start"],
+            "perf/step_cpu_s": t["cpu"],  # = wall time alone on the machine (1 thread)
+            **{k: v for k, v in outcome.rollout_stats.items() if not k.startswith("rollout/segments_hist")},
+        }
+    )
+    return metrics
+
+
+def _run_eval(run: _Run, at_step: int) -> dict[str, float]:
+    cfg = run.cfg
+    result = evaluate(
+        run.learner.model,
+        run.learner.tokenizer,
+        run.eval_tasks,
+        cfg.eval.k,
+        cfg.rollout.partial.max_response_tokens,
+        seed=cfg.task.eval_seed,
+        temperature=cfg.rollout.temperature,
+        encode=run.learner.encode,
+        score=run.score,
+    )
+    run.history["eval"].append({"step": at_step, **result})
+    return result
+
+
+def _save(run: _Run, at_step: int) -> Path:
+    learner, history = run.learner, run.history
+    trainer_state = {
+        "step": at_step,
+        "policy_version": learner.version,
+        "history": history,
+        "optimizer": learner.optimizer.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "sample": learner.sample_gen.get_state(),
+            "shuffle": learner.shuffle_gen.get_state(),
+        },
+        "task_stream": learner.stream.state(),
+    }
+    info = {
+        "step": at_step,
+        "policy_version": learner.version,
+        "mlflow_run_id": run.run_id,
+        "mlflow_tracking_uri": run.tracking_uri,
+        "config_hash": config_hash(run.config_dict),
+        "bapo": run.cfg.loss.bapo.model_dump(mode="json"),
+        "model_name": run.cfg.model.pretrained or MODEL_NAME,
+        "last_eval": history["eval"][-1] if history["eval"] else None,
+    }
+    rollout_state = {"manager": learner.manager.state_dict(), "replay": learner.replay.state_dict()}
+    return ckpt_io.save_checkpoint(
+        run.output_dir,
+        at_step,
+        learner.model,
+        learner.tokenizer,
+        trainer_state,
+        rollout_state,
+        run.config_dict,
+        info,
+        run.cfg.checkpoint.keep_last,
+    )
+
+
+# ---- 4. finish: HF save (only when the run is done; a stopped run resumes later) --------------------------
+def _finish(run: _Run) -> dict[str, Any]:
+    cfg, step, history, output_dir = run.cfg, run.step, run.history, run.output_dir
+    start_eval = next((e for e in history["eval"] if e["step"] == 0), None)
+    summary = {
+        "step": step,
+        "max_steps": cfg.train.max_steps,
+        "policy_version": run.learner.version,
+        "stopped_by_signal": run.stop.signal_name,
+        "mlflow_run_id": run.run_id,
+        "mlflow_tracking_uri": run.tracking_uri,
+        "output_dir": str(output_dir),
+        "warmup": history["warmup"],
+        "eval_start": start_eval,
+        "eval_end": history["eval"][-1] if history["eval"] else None,
+        "eval_history": history["eval"],
+    }
+    if run.stop.requested:
+        # A requeued job resumes from the checkpoint just written; `requeue=True` tells Slurm wrappers so.
+        run.tracker.flush()
+        return summary
+    if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
+        final = output_dir / "hf_final"
+        ckpt_io.save_model(run.learner.model, final)
+        save_tokenizer(run.learner.tokenizer, final)
+        (final / "COMPLETE").write_text(f"step {step}\n")
+    summary["hf_final"] = str(output_dir / "hf_final")
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.tracker.log_artifact(output_dir / "summary.json")
+    _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
+    run.tracker.finish("FINISHED")
+    return summary
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> None:
+    """The run's training-dynamics panels as a PNG artifact; a tracking outage only loses the plot."""
+    from bapo_nemo.tracking.report import log_run_plot
+
+    if tracker.flush():
+        print("tracking server unreachable: metrics stay journaled; no training plot this time")
+        return
+    try:
+        log_run_plot(tracking_uri, run_id, out_dir)
+    except Exception as exc:  # noqa: BLE001 (the plot is a convenience; never fail a finished run for it)
+        print(f"could not log the training plot ({type(exc).__name__}: {exc})")
+
+
+def _rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:
     task = Task(rollout.prompt_id, rollout.meta["question"], rollout.meta["answer"])
-    return reward(decode_response(tokenizer, rollout.response_token_ids), task)
+    return score(decode_response(tokenizer, rollout.response_token_ids), task)
 
 
 def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:

@@ -69,7 +69,7 @@ def run_warmup(
 
 def cache_key(config_dict: dict) -> dict:
     """What the warm-up result depends on."""
-    return {k: config_dict[k] for k in ("seed", "model", "task", "warmup")}
+    return {k: config_dict[k] for k in ("seed", "model", "task", "data", "warmup") if k in config_dict}
 
 
 def load_cached(output_dir: Path, key: dict):
