@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Self
 
 LOCK_FILE = ".lock"
 
@@ -30,7 +31,7 @@ class OutputDirLock:
         self.stale: dict | None = None
         self._fd: int | None = None
 
-    def acquire(self) -> OutputDirLock:
+    def acquire(self) -> Self:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -62,7 +63,7 @@ class OutputDirLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> OutputDirLock:
+    def __enter__(self) -> Self:
         return self.acquire()
 
     def __exit__(self, *exc) -> bool:
