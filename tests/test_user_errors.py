@@ -87,6 +87,7 @@ def trained(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
+    (root / "stderr.txt").write_text(done.stderr)
     return root / "run"
 
 
@@ -334,3 +335,83 @@ def test_stale_lock_of_a_dead_process_is_taken_over_and_reported(trained, tmp_pa
     done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left by PID 999999 on host gone-node" in done.stderr
+
+
+# ---- the trainer's own endings --------------------------------------------------------------------------------
+def test_batch_run_logs_each_step_and_its_decisions(trained):
+    """TINY runs with runtime.progress=false (as --no-progress): one line per step on stderr and in train.log."""
+    stderr = (trained.parent / "stderr.txt").read_text()
+    log = (trained / "train.log").read_text()
+    for text in (stderr, log):
+        assert "starting fresh" in text
+        for step in (1, 2, 3):
+            assert f"step {step}/3 reward " in text
+        assert "finished at step 3" in text
+
+
+def _mlflow_status(run: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    return MlflowClient(f"sqlite:///{run / 'mlflow.db'}").get_run(run_id).info.status
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model/model.safetensors"])
+def test_resume_skips_a_truncated_newest_checkpoint(trained, tmp_path, damaged):
+    run = copy_run(trained, tmp_path)
+    target = run / "checkpoints" / "step_3" / damaged
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", "--max-steps", "4",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"skipping checkpoint step_3: {damaged} is truncated" in done.stderr, done.stderr[-3000:]
+    assert "resuming from step 2" in done.stderr
+    assert json.loads(done.stdout[done.stdout.index("{"):])["step"] == 4
+    assert _mlflow_status(run) == "FINISHED"
+
+
+def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_path):
+    run = copy_run(trained, tmp_path)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        state = ckpt / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    before = tree_digest(run / "checkpoints")
+    done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no intact checkpoint" in done.stderr and "step_3: trainer_state.pt is truncated" in done.stderr
+    assert tree_digest(run / "checkpoints") == before
+
+
+def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
+    cfg = write_config(tmp_path, with_(train={"max_steps": 500}, checkpoint={"every": 100}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "SIGINT" in stderr
+    step = json.loads(stdout[stdout.index("{"):])["step"]
+    assert 1 <= step < 500 and (tmp_path / "out" / "checkpoints" / f"step_{step}" / "COMPLETE").is_file()
+    assert _mlflow_status(tmp_path / "out") == "KILLED"
+
+
+def test_a_run_that_fails_is_marked_failed(tmp_path):
+    """A JSONL without solutions cannot be warmed up on: the run ends with one line, exit 1, status FAILED."""
+    rows = [{"question": f"{a}+1?", "answer": str(a + 1)} for a in range(1, 10)]
+    path = jsonl(tmp_path, "tasks.jsonl", rows)
+    done = bapo_nemo("train", str(write_config(tmp_path, with_(task={"train_file": str(path)}))), "--output-dir",
+                     "out", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "has no 'solution'" in done.stderr and "--debug" in done.stderr
+    assert _mlflow_status(tmp_path / "out") == "FAILED"
