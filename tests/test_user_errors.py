@@ -8,6 +8,7 @@ Nothing is faked.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -240,8 +241,8 @@ def test_export_force_keeps_unrelated_files_and_replaces_a_previous_export(train
 
 
 def test_exported_model_answers_through_the_public_path(trained, tmp_path):
-    """AutoTokenizer + AutoModelForCausalLM on the export reproduce the trainer's prompt encoding and its
-    greedy answer (the same ids the trainer feeds its model: BOS first, spaces kept)."""
+    """AutoTokenizer + AutoModelForCausalLM on the export (and on the run's hf_final) reproduce the trainer's
+    prompt encoding and its greedy answer (the same ids the trainer feeds its model: BOS first, spaces kept)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -250,13 +251,16 @@ def test_exported_model_answers_through_the_public_path(trained, tmp_path):
 
     out = tmp_path / "export"
     assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
-    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
-    for question in ("7+5-3?", "12 + 3?"):
+    source = AutoModelForCausalLM.from_pretrained(trained / "checkpoints" / "step_3" / "model")
+    for directory, question in itertools.product([out, trained / "hf_final"], ["7+5-3?", "12 + 3?"]):
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory)
         ids = tokenizer(question, return_tensors="pt")
         assert ids["input_ids"][0].tolist() == encode_prompt(load_tokenizer(), question)
         plain = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        # the trainer's side: its final checkpoint's weights fed its own encoding
         trainer_ids = torch.tensor([encode_prompt(load_tokenizer(), question)])
-        as_trained = model.generate(trainer_ids, attention_mask=torch.ones_like(trainer_ids), max_new_tokens=8,
+        as_trained = source.generate(trainer_ids, attention_mask=torch.ones_like(trainer_ids), max_new_tokens=8,
                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)
         assert plain.tolist() == as_trained.tolist()
 

@@ -107,8 +107,8 @@ def latest_intact_checkpoint(output_dir: str | Path, report=None) -> Path | None
             report(ckpt, problem)
     if skipped:
         raise CheckpointError(
-            f"no intact checkpoint in {checkpoints_dir(output_dir)} ({'; '.join(skipped)}): restore one from a "
-            "copy, or start a new run in another --output-dir"
+            f"no intact checkpoint in {checkpoints_dir(output_dir)} ({'; '.join(skipped)}): restore one "
+            "from a copy, or start a new run in another --output-dir"
         )
     return None
 
@@ -126,7 +126,8 @@ def _safetensors_problem(path: Path) -> str | None:
         return f"has an unreadable header ({exc})"
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end != size:
-        return f"is truncated or corrupted (the header describes {8 + header_len + end} bytes, the file has {size})"
+        described = 8 + header_len + end
+        return f"is truncated or corrupted (the header describes {described} bytes, the file has {size})"
     return None
 
 

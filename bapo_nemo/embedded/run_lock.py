@@ -39,7 +39,8 @@ class OutputDirLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            who = f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}" if holder else "another process"
+            who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}" if holder
+                   else "another process")
             raise OutputDirLockedError(
                 f"{self.path.parent} is in use by {who} (started {holder.get('started', '?')}; lock file "
                 f"{self.path}): wait for it to finish, stop it, or choose another --output-dir"

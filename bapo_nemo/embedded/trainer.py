@@ -64,9 +64,8 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
             with run.stop.installed():
                 if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
                     _warm_up(run)
-                bar = tqdm(
-                    total=cfg.train.max_steps, initial=run.step, desc="BAPO RL", disable=not cfg.runtime.progress
-                )
+                bar = tqdm(total=cfg.train.max_steps, initial=run.step, desc="BAPO RL",
+                           disable=not cfg.runtime.progress)
                 while run.step < cfg.train.max_steps and not run.stop.requested:
                     outcome = rl_step(run.learner)
                     run.step += 1
@@ -280,7 +279,7 @@ def _warm_up(run: _Run) -> None:
             learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress
         )
         warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
-    log.info(("reused the cached warm-up" if cached is not None else "warm-up done") + f" ({cfg.warmup.steps} steps)")
+    log.info(f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({cfg.warmup.steps} steps)")
     run.history["warmup"] = warm_metrics
     start_eval = _run_eval(run, 0)
     run.tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
