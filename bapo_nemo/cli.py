@@ -28,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).configure_parser(p)
+        _add_debug_flag(p)
     return parser
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an unexpected error (default: one line)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +42,38 @@ def main(argv: list[str] | None = None) -> int:
     # Build only the chosen sub-command's parser when one is named, so one broken module cannot take
     # down the others' --help.
     if argv and argv[0] in COMMANDS:
-        module = importlib.import_module(COMMANDS[argv[0]][0])
-        parser = argparse.ArgumentParser(prog=f"bapo-nemo {argv[0]}", description=COMMANDS[argv[0]][1])
+        name = argv[0]
+        module = importlib.import_module(COMMANDS[name][0])
+        parser = argparse.ArgumentParser(prog=f"bapo-nemo {name}", description=COMMANDS[name][1])
         module.configure_parser(parser)
+        _add_debug_flag(parser)
         # intermixed: `train CONFIG --resume key=value` puts positional overrides after options.
-        return int(module.main(parser.parse_intermixed_args(argv[1:])) or 0)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+        args = parser.parse_intermixed_args(argv[1:])
+    else:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        name, module = args.command, importlib.import_module(args._module)
+    try:
+        return int(module.main(args) or 0)
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"bapo-nemo {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # expected errors are reported by the sub-command; this is the last resort
+        if getattr(args, "debug", False):
+            raise
+        where = _innermost_frame(exc)
+        print(f"bapo-nemo {name}: error: {type(exc).__name__}: {exc}{where} (run again with --debug for the "
+              "traceback)", file=sys.stderr)
+        return 1
+
+
+def _innermost_frame(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" [at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}]" if tb is not None else ""
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import json
 import os
 import re
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,84 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why a complete checkpoint cannot be resumed from (a file truncated or corrupted after it was
+    written, e.g. by a full disk or a partial copy), or None when every file it is resumed from reads."""
+    for name in ("config.yaml", "training_info.json", "rollout_state.json", "trainer_state.pt"):
+        if not (ckpt / name).is_file():
+            return f"{name} is missing"
+    try:
+        yaml.safe_load((ckpt / "config.yaml").read_text())
+        json.loads((ckpt / "training_info.json").read_text())
+        json.loads((ckpt / "rollout_state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    # torch.save writes a zip archive: the CRC of every member is checked without unpickling anything
+    try:
+        with zipfile.ZipFile(ckpt / "trainer_state.pt") as archive:
+            bad = archive.testzip()
+        if bad is not None:
+            return f"trainer_state.pt is corrupted (member {bad} fails its CRC)"
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        return f"trainer_state.pt is truncated or corrupted ({exc})"
+    weights = sorted((ckpt / "model").glob("*.safetensors"))
+    if not weights:
+        return "model/ holds no *.safetensors weights"
+    for path in weights:
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"model/{path.name} {problem}"
+    return None
+
+
+def latest_intact_checkpoint(output_dir: str | Path, report=None) -> Path | None:
+    """The newest complete checkpoint whose files all read; each newer one skipped is passed to
+    ``report(path, why)``. Raises CheckpointError when checkpoints exist but none is intact (starting
+    afresh would write over them)."""
+    complete = complete_checkpoints(output_dir)
+    skipped = []
+    for ckpt in reversed(complete):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        skipped.append(f"{ckpt.name}: {problem}")
+        if report is not None:
+            report(ckpt, problem)
+    if skipped:
+        raise CheckpointError(
+            f"no intact checkpoint in {checkpoints_dir(output_dir)} ({'; '.join(skipped)}): restore one "
+            "from a copy, or start a new run in another --output-dir"
+        )
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Header and size of a safetensors file agree (a truncated file fails here)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size - 8:
+                return f"is truncated (header length {header_len}, file size {size})"
+            header = json.loads(fh.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        return f"has an unreadable header ({exc})"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        described = 8 + header_len + end
+        return f"is truncated or corrupted (the header describes {described} bytes, the file has {size})"
+    return None
+
+
+def respect_umask(root: Path) -> None:
+    """HF's atomic saves create 0600 files; give them the permissions of the user's umask instead, so
+    teammates on a shared filesystem can read the weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save_model(model, path: str | Path) -> None:
     """HF `save_pretrained` without its per-save progress bar (one per checkpoint clutters the logs)."""
     from transformers.utils import logging as hf_logging
@@ -71,6 +151,7 @@ def save_model(model, path: str | Path) -> None:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+    respect_umask(Path(path))
 
 
 def save_checkpoint(

@@ -26,7 +26,8 @@ class RunConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `lr: .inf` or `.nan` is a typo to report, never a value to train with
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RuntimeConfig(_Section):
@@ -278,9 +279,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise RunConfigError(f"config file {path} does not exist (e.g. configs/local_cpu.yaml)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise RunConfigError(f"{path}: not valid YAML: {exc}") from None
+        if data is None or data == {}:
+            # the built-in defaults are not configs/local_cpu.yaml's; an empty file is a mistake, not a choice
+            raise RunConfigError(
+                f"{path} is empty: start from a shipped config (cp configs/local_cpu.yaml {path}) and edit it"
+            )
         if not isinstance(data, dict):
             raise RunConfigError(f"{path}: the top level must be a mapping of sections (model:, loss:, ...)")
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are

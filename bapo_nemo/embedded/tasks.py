@@ -127,10 +127,22 @@ def reward(response: str, task: Task) -> float:
     return 1.0 if extract_answer(response) == task.answer else 0.0
 
 
-def load_jsonl_tasks(path: str | Path, max_bad_fraction: float = 0.1) -> list[Task]:
+def char_prompt_tokens(question: str) -> int:
+    """Prompt length under the bundled tokenizer: BOS, then one token per character."""
+    return 1 + len(question)
+
+
+def load_jsonl_tasks(
+    path: str | Path,
+    max_bad_fraction: float = 0.1,
+    max_prompt_tokens: int | None = None,
+    prompt_tokens=char_prompt_tokens,
+) -> list[Task]:
     """Tasks from a JSONL file, one object per line: {"question": "7+5-3?", "answer": "9"} plus optional
-    "solution" (used by the warm-up) and "id". Malformed rows are skipped and counted, with a warning
-    naming the file and lines; more than `max_bad_fraction` of bad rows is an error."""
+    "solution" (used by the warm-up) and "id". Malformed rows (not JSON, invalid UTF-8, missing fields,
+    characters outside the vocabulary, a prompt longer than `max_prompt_tokens` as counted by
+    `prompt_tokens`) are skipped and counted, with a warning naming the file and lines; more than
+    `max_bad_fraction` of bad rows is an error."""
     path = Path(path)
     if not path.is_file():
         raise TaskFileError(
@@ -139,28 +151,46 @@ def load_jsonl_tasks(path: str | Path, max_bad_fraction: float = 0.1) -> list[Ta
     tasks: list[Task] = []
     bad: list[tuple[int, str]] = []
     rows = 0
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
                 continue
             rows += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append((lineno, f"invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"))
+                continue
             problem = _parse_row(line)
             if isinstance(problem, str):
                 bad.append((lineno, problem))
                 continue
             question, answer, solution, ident = problem
+            if max_prompt_tokens is not None:
+                length = prompt_tokens(question)
+                if length > max_prompt_tokens:
+                    why = (f"prompt of {length} tokens exceeds the {max_prompt_tokens} that "
+                           "model.max_position_embeddings leaves after rollout.partial.max_response_tokens")
+                    bad.append((lineno, why))
+                    continue
             tasks.append(Task(ident or f"{path.stem}-{lineno}", question, answer, solution, {"line": lineno}))
+    if rows == 0:
+        raise TaskFileError(
+            f"{path} holds no tasks (empty file): write one JSON object per line, e.g. "
+            '{"question": "7+5-3?", "answer": "9"}'
+        )
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5]) + (" ..." if len(bad) > 5 else "")
         message = f"{path}: skipped {len(bad)} malformed row(s) of {rows} ({shown})"
-        if rows == 0 or len(bad) / rows > max_bad_fraction:
+        if len(bad) / rows > max_bad_fraction:
             raise TaskFileError(
                 f"{message}; that is more than task.max_bad_fraction={max_bad_fraction}. Fix the rows "
-                '(each line: {"question": "7+5-3?", "answer": "9"}) or raise task.max_bad_fraction.'
+                '(each line: {"question": "7+5-3?", "answer": "9"}, UTF-8, short enough for '
+                "model.max_position_embeddings) or raise task.max_bad_fraction."
             )
         warnings.warn(message, stacklevel=2)
     if not tasks:
-        raise TaskFileError(f"{path} holds no tasks")
+        raise TaskFileError(f"{path} holds no usable tasks")
     return tasks
 
 

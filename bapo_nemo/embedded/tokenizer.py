@@ -58,6 +58,29 @@ def load_tokenizer(path: str | Path = TOKENIZER_DIR) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
+def save_inference_tokenizer(tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    """`save_tokenizer` for a model others will load (hf_final): `AutoTokenizer.from_pretrained(path)(text)`
+    then gives the trainer's prompt encoding, BOS first. The trainer prepends BOS by hand, so a
+    BOS-prepending post-processor goes into tokenizer.json; and transformers 5 loads a directory whose
+    config.json says qwen2 with Qwen2Tokenizer (which drops spaces) unless tokenizer_config.json has an
+    `auto_map` entry, which makes it read tokenizer.json as written."""
+    from tokenizers import processors
+
+    path = Path(path)
+    save_tokenizer(tokenizer, path)
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if bos is not None and tokenizer("1")["input_ids"][:1] != [bos_id]:
+        core = Tokenizer.from_file(str(path / "tokenizer.json"))
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)]
+        )
+        core.save(str(path / "tokenizer.json"))
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def main() -> None:
     tokenizer = build_tokenizer()
     save_tokenizer(tokenizer, TOKENIZER_DIR)

@@ -47,6 +47,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Exit 0 when the run finished or stopped on a signal after a checkpoint; 2 on a user error (one line
+    on stderr naming the key or file and the fix)."""
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"seed={args.seed}")
@@ -59,13 +61,31 @@ def main(args: argparse.Namespace) -> int:
     except RunConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from bapo_nemo.embedded.model import ModelLoadError  # torch/transformers load only now
+    if config.runtime.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: runtime.device=cuda but torch sees no CUDA GPU (torch "
+                  f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine "
+                  "or set runtime.device=cpu", file=sys.stderr)
+            return 2
+    # torch/transformers load only now
+    from bapo_nemo.embedded.checkpoint import CheckpointError
+    from bapo_nemo.embedded.model import ModelLoadError
+    from bapo_nemo.embedded.run_lock import OutputDirLock, OutputDirLockedError
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import ResumeError, train
+    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
     try:
-        summary = train(config, args.output_dir, resume=args.resume)
-    except (ResumeError, ModelLoadError, TaskFileError) as exc:
+        with OutputDirLock(args.output_dir) as lock:
+            if lock.stale:
+                print(f"note: {lock.path} was left by PID {lock.stale.get('pid', '?')} on host "
+                      f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
+                      file=sys.stderr)
+            summary = train(config, args.output_dir, resume=args.resume)
+    except (OutputDirLockedError, ResumeError, ModelLoadError, TaskFileError, CheckpointError,
+            TrackingConfigError, TrackingUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}

@@ -9,16 +9,22 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup)
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
    BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
-   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1 finish the step, checkpoint and return
+   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1/SIGINT finish the step, checkpoint
+   and return
 4. finish (`_finish`): HF save in <output_dir>/hf_final, summary, training plot
+
+Whatever the ending, the MLflow run is marked (FINISHED; KILLED on a signal; FAILED on an error) and
+<output_dir>/train.log records it, with one line per step and the decisions (resume, skipped checkpoints).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,14 +47,16 @@ from bapo_nemo.embedded.model import (
     prepare_model,
 )
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
+from bapo_nemo.embedded.run_log import LOGGER, run_log, step_line
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
-from bapo_nemo.embedded.tokenizer import load_tokenizer, save_tokenizer
+from bapo_nemo.embedded.tokenizer import load_tokenizer, save_inference_tokenizer
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.tags import config_hash, default_tags
 
 MODEL_NAME = "bapo-embedded-qwen2-tiny"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+log = logging.getLogger(LOGGER)  # <output_dir>/train.log (and stderr without a progress bar) during train()
 
 
 class ResumeError(RuntimeError):
@@ -57,28 +65,46 @@ class ResumeError(RuntimeError):
 
 def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) a training run; returns a summary (steps, held-out accuracy at the start of RL and
-    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1."""
+    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1/SIGINT."""
     cfg = config
-    run = _set_up(cfg, Path(output_dir).resolve(), resume)
-    with run.stop.installed():
-        if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
-            _warm_up(run)
-        bar = tqdm(
-            total=cfg.train.max_steps, initial=run.step, desc="BAPO RL", disable=not cfg.runtime.progress
-        )
-        while run.step < cfg.train.max_steps and not run.stop.requested:
-            outcome = rl_step(run.learner)
-            run.step += 1
-            metrics = _record_step(run, outcome)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.2f}",
-                acc=f"{run.history['eval'][-1]['eval/avg_at_k']:.2f}",
-                c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
-                c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
-            )
-        bar.close()
-    return _finish(run)
+    output_dir = Path(output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with run_log(output_dir, to_stderr=not cfg.runtime.progress):
+        run = _set_up(cfg, output_dir, resume)
+        try:
+            with run.stop.installed():
+                if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
+                    _warm_up(run)
+                bar = tqdm(total=cfg.train.max_steps, initial=run.step, desc="BAPO RL",
+                           disable=not cfg.runtime.progress)
+                while run.step < cfg.train.max_steps and not run.stop.requested:
+                    outcome = rl_step(run.learner)
+                    run.step += 1
+                    metrics = _record_step(run, outcome)
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{metrics['reward/mean']:.2f}",
+                        acc=f"{run.history['eval'][-1]['eval/avg_at_k']:.2f}",
+                        c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
+                        c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
+                    )
+                bar.close()
+            return _finish(run)
+        except KeyboardInterrupt:
+            log.info(f"aborted by a second Ctrl-C at step {run.step}: no checkpoint of the current step")
+            _mark_run(run.tracker, "KILLED")
+            raise
+        except BaseException as exc:
+            log.info(f"failed at step {run.step}: {type(exc).__name__}: {exc}")
+            _mark_run(run.tracker, "FAILED")
+            raise
+
+
+def _mark_run(tracker: MlflowTracker, status: str) -> None:
+    try:
+        tracker.finish(status)
+    except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+        print(f"could not mark the MLflow run {status} ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 # ---- 1. set-up and resume --------------------------------------------------------------------------------
@@ -215,7 +241,7 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
 
     if cfg.data.train_path is None:
         eval_tasks = (
-            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction)
+            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction, max_prompt)
             if cfg.task.eval_file
             else TaskGenerator(
                 cfg.task.eval_seed,
@@ -228,7 +254,9 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
             ).sample(cfg.task.eval_size)
         )
         pool = (
-            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction) if cfg.task.train_file else None
+            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction, max_prompt)
+            if cfg.task.train_file
+            else None
         )
         return encode, eval_tasks, pool, reward
 
@@ -276,12 +304,17 @@ def _restore(learner: Learner, ckpt: Path, device: torch.device) -> tuple[int, d
 def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> Path | None:
     latest = ckpt_io.latest_checkpoint(output_dir)
     if latest is None:
+        log.info(f"starting fresh in {output_dir}")
         return None
     if not resume:
         raise ResumeError(
             f"{output_dir} already holds checkpoints (newest: {latest.name}); pass --resume to continue that run, "
             "or choose a new --output-dir (nothing was overwritten)"
         )
+    # a checkpoint damaged after it was written (full disk, partial copy) is skipped, never resumed from
+    latest = ckpt_io.latest_intact_checkpoint(
+        output_dir, report=lambda ckpt, why: log.warning(f"skipping checkpoint {ckpt.name}: {why}")
+    )
     diffs = config_differences(ckpt_io.load_config_dict(latest), config_dict)
     if diffs:
         raise ResumeError(
@@ -289,6 +322,7 @@ def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> 
             + "\n  ".join(diffs)
             + "\nResume with the checkpoint's values, or start a new run in another --output-dir."
         )
+    log.info(f"resuming from step {ckpt_io.load_training_info(latest).get('step')} ({latest})")
     return latest
 
 
@@ -312,6 +346,7 @@ def _warm_up(run: _Run) -> None:
             learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress
         )
         warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
+    log.info(f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({cfg.warmup.steps} steps)")
     run.history["warmup"] = warm_metrics
     start_eval = _run_eval(run, 0)
     run.tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
@@ -329,6 +364,7 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
         metrics.update(_run_eval(run, step))
     run.tracker.log_metrics(_finite(metrics), step=step)
     run.metrics_log.write({"step": step, **metrics})
+    log.info(step_line(step, cfg.train.max_steps, metrics))
     run.groups_log.write(
         {
             "step": step,
@@ -450,19 +486,21 @@ def _finish(run: _Run) -> dict[str, Any]:
         "eval_history": history["eval"],
     }
     if run.stop.requested:
-        # A requeued job resumes from the checkpoint just written; `requeue=True` tells Slurm wrappers so.
-        run.tracker.flush()
+        # A requeued job resumes from the checkpoint just written (and marks the run RUNNING again).
+        log.info(f"stopped by {run.stop.signal_name} at step {step} with a checkpoint; continue with --resume")
+        run.tracker.finish("KILLED")
         return summary
     if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
         final = output_dir / "hf_final"
         ckpt_io.save_model(run.learner.model, final)
-        save_tokenizer(run.learner.tokenizer, final)
+        save_inference_tokenizer(run.learner.tokenizer, final)
         (final / "COMPLETE").write_text(f"step {step}\n")
     summary["hf_final"] = str(output_dir / "hf_final")
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.tracker.log_artifact(output_dir / "summary.json")
     _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
     run.tracker.finish("FINISHED")
+    log.info(f"finished at step {step}: {output_dir / 'hf_final'}")
     return summary
 
 
@@ -526,7 +564,8 @@ class _MetricsLog:
 
 
 class _StopFlag:
-    """SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) ask the loop to stop after the current step."""
+    """SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) / SIGINT (Ctrl-C) ask the loop to stop after the
+    current step; a second Ctrl-C aborts at once."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -536,7 +575,12 @@ class _StopFlag:
         return self.signal_name is not None
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the step
         self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            print("\nSIGINT: stopping after the current step with a checkpoint (Ctrl-C again to abort "
+                  "without one)", file=sys.stderr, flush=True)
 
     def installed(self):
         flag = self

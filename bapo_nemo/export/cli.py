@@ -24,7 +24,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--register-model", metavar="NAME",
                         help="log the export to the source MLflow run and register it as a version of NAME")
     parser.add_argument("--tracking-uri", help="MLflow store for --register-model (default: the checkpoint's own)")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out if it is a previous export (never a run or other files)")
     parser.add_argument("--parity-prompts", metavar="FILE", type=Path,
                         help="held-out prompts for the parity check, one per line (default: built-in ones)")
 
@@ -39,6 +40,9 @@ def main(args: argparse.Namespace) -> int:
             prompts = [line for line in args.parity_prompts.read_text().splitlines() if line.strip()]
             if not prompts:
                 raise ExportError(f"--parity-prompts {args.parity_prompts} holds no prompts")
+        from bapo_nemo.export.hf import check_output_dir
+
+        check_output_dir(Path(args.out).resolve(), args.force, ref.path)  # before the work, not after it
         if args.register_model and ref.kind == "embedded":  # fail before the work, not after it
             _check_registrable(ref.path, args.tracking_uri)
         print(f"exporting {ref.kind} checkpoint {ref.path} -> {args.out}")

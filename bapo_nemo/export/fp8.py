@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
-from bapo_nemo.export.hf import ExportResult, atomic_output_dir, load_embedded, model_card
+from bapo_nemo.export.hf import (
+    ExportResult,
+    atomic_output_dir,
+    load_embedded,
+    model_card,
+    save_round_trip_tokenizer,
+)
 from bapo_nemo.export.parity import compare, heldout_sequences, token_logprobs
 
 FP8_MEAN_TOLERANCE = 0.05  # nats per token, averaged; a broken scale gives O(1)
@@ -75,9 +81,9 @@ def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_
     fake_quant = compare(reference, token_logprobs(quantized, sequences), FP8_MEAN_TOLERANCE, criterion="mean")
     progress(f"fake-quantised model (FP8 weights and activations) vs source: {fake_quant.summary()}")
 
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, ref.path) as tmp:
         export_hf_checkpoint(quantized, export_dir=str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_round_trip_tokenizer(tokenizer, tmp)
         if (ref.path / "model" / "generation_config.json").is_file():
             shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
         (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))

@@ -35,16 +35,50 @@ class ExportResult:
     extra: dict = field(default_factory=dict)
 
 
-@contextmanager
-def atomic_output_dir(out: str | Path, force: bool):
-    """Yield a temp dir next to ``out``; on success it replaces ``out`` (only if ``force``)."""
-    out = Path(out).resolve()
-    if out.exists() and not force:
+# Written into every export; `--force` replaces only a directory holding it (never a run, a checkpoint,
+# or a directory of other files that happens to be named like the --out).
+EXPORT_MARKER = "BAPO_EXPORT"
+
+
+def run_root(source: Path) -> Path:
+    """The directory a checkpoint belongs to: an embedded run's output_dir, or NeMo-RL's checkpoint_dir."""
+    source = source.resolve()
+    if source.parent.name == "checkpoints":
+        return source.parent.parent
+    return source.parent if source.name.startswith("step_") else source
+
+
+def check_output_dir(out: Path, force: bool, source: Path | None) -> None:
+    """Refuse an --out that would destroy the source run or anything that is not a previous export."""
+    if source is not None:
+        root = run_root(source)
+        if out == root or out in root.parents or out == source.resolve() or out in source.resolve().parents:
+            raise ExportError(f"--out {out} is or contains the checkpoint being exported ({source}): choose a "
+                              "directory outside the run, e.g. --out exports/<name>")
+        if root in out.parents and out.exists():
+            raise ExportError(f"--out {out} is inside the training run {root} and already exists: choose a new "
+                              "directory (nothing was replaced)")
+    if not out.exists():
+        return
+    if not force:
         raise ExportError(f"{out} already exists: pass --force to replace it, or choose another --out")
+    if not out.is_dir() or not (out / EXPORT_MARKER).is_file():
+        raise ExportError(f"{out} exists and is not a previous bapo-nemo export (no {EXPORT_MARKER} marker), so "
+                          "--force will not replace it: choose another --out, or delete it yourself")
+
+
+@contextmanager
+def atomic_output_dir(out: str | Path, force: bool, source: Path | None = None):
+    """Yield a temp dir next to ``out``; on success it gets the export marker and replaces ``out`` (an
+    existing ``out`` only with ``force`` and only if it is a previous export)."""
+    out = Path(out).resolve()
+    check_output_dir(out, force, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         yield tmp
+        (tmp / EXPORT_MARKER).write_text(f"bapo-nemo export of {source}\n" if source else "bapo-nemo export\n")
+        respect_umask(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
@@ -55,6 +89,16 @@ def atomic_output_dir(out: str | Path, force: bool):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def respect_umask(root: Path) -> None:
+    """Give a written tree the permissions of the user's umask: mkdtemp and HF's atomic saves create
+    0700/0600, which hides exports from teammates on a shared filesystem."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for path in root.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def load_embedded(ref: CheckpointRef):
@@ -75,6 +119,37 @@ def load_embedded(ref: CheckpointRef):
     except yaml.YAMLError as exc:
         raise ExportError(f"{ref.path / 'config.yaml'} is corrupted: not valid YAML ({exc})") from None
     return model, tokenizer, info, config
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The embedded trainer's prompt encoding: BOS, then the text's tokens (spaces included)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
+
+
+def save_round_trip_tokenizer(tokenizer, out: Path) -> None:
+    """Save ``tokenizer`` so that ``AutoTokenizer.from_pretrained(out)(text)`` gives :func:`prompt_ids`.
+
+    Two things break that with a plain ``save_pretrained``: the tokenizer does not add BOS by itself (the
+    trainer prepends it), so a BOS-prepending post-processor is written into tokenizer.json; and
+    transformers 5 loads any directory whose config.json says ``qwen2`` with ``Qwen2Tokenizer``, which
+    rebuilds the pipeline and drops spaces. An ``auto_map`` entry in tokenizer_config.json skips that
+    override, so the file's own pipeline is used, as in transformers 4 (which reads tokenizer_class).
+    """
+    from tokenizers import Tokenizer, processors
+
+    tokenizer.save_pretrained(str(out))
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if bos is not None and tokenizer("1")["input_ids"][:1] != [bos_id]:
+        core = Tokenizer.from_file(str(out / "tokenizer.json"))
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)])
+        core.save(str(out / "tokenizer.json"))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def model_card(info: dict, parity: ParityResult | None, source: Path, fp8: bool = False) -> str:
@@ -121,18 +196,19 @@ def export_embedded(ref: CheckpointRef, out: str | Path, force: bool = False,
     progress(f"loaded {ref.path} (step {info.get('step')}, {sum(p.numel() for p in model.parameters()):,} parameters)")
     sequences = heldout_sequences(model, tokenizer, prompts=parity_prompts)
     reference = token_logprobs(model, sequences)
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, ref.path) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        save_round_trip_tokenizer(tokenizer, tmp)
         if (ref.path / "model" / "generation_config.json").is_file():
             shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
         (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
 
-        # parity: reload the written directory exactly as a user would
+        # parity: reload the written directory exactly as a user would; its tokenizer must encode each
+        # prompt as the trainer did (BOS, spaces), through the plain AutoTokenizer call
         reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype="auto").eval()
         reloaded_tok = AutoTokenizer.from_pretrained(str(tmp))
-        tokenizer_match = all(tokenizer(p)["input_ids"] == reloaded_tok(p)["input_ids"]
-                              for p in representable_prompts(tokenizer, parity_prompts))
+        tokenizer_match = all(prompt_ids(tokenizer, p) == reloaded_tok(p)["input_ids"]
+                              for p in representable_prompts(tokenizer, parity_prompts) + [" 7 + 5 ?"])
         parity = compare(reference, token_logprobs(reloaded, sequences), tolerance_for(model.dtype), tokenizer_match)
         progress(parity.summary())
         if not parity.passed:

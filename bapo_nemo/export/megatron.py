@@ -83,7 +83,7 @@ def export_megatron(ref: CheckpointRef, out: str | Path, force: bool = False, pr
             **_saved_run(step_dir)}
     reference = read_reference_logprobs(step_dir)
 
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, ref.path) as tmp:
         target = tmp / "hf"  # export_model_from_megatron refuses an existing directory
         progress(f"converting {weights} with Megatron-Bridge (overrides: {hf_overrides(policy) or 'none'})")
         export_model_from_megatron(hf_model_name=policy["model_name"], input_path=str(weights),

@@ -20,8 +20,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra-style overrides, e.g. cluster.num_nodes=8 ++a.b=1"
     )
-    parser.add_argument("--nodes", type=int, required=True, help="nodes of the job")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    parser.add_argument("--nodes", type=_positive_int, required=True, help="nodes of the job (>= 1)")
+    parser.add_argument("--gpus-per-node", type=_positive_int, required=True, help="GPUs per node (>= 1)")
     parser.add_argument(
         "--gpu", choices=sorted(GPU_CAPACITY_GB), default="h100-80gb", help="GPU model (memory)"
     )
@@ -41,6 +41,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(default: the current one; slurm/bapo_32b.sbatch runs in the checkout, BAPO_REPO)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+
+
+def _positive_int(text: str) -> int:
+    """A cluster shape is counted in whole machines and GPUs: 0 or less is a typo in the flag itself."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:

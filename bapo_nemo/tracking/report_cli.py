@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -13,8 +15,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="runs to compare, by id or name (default: every run of the experiment)")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="sqlite:///path/mlflow.db or http://host:port (default: $MLFLOW_TRACKING_URI)")
-    parser.add_argument("--out", help="output directory (default: ./bapo_report_<experiment>)")
+    parser.add_argument("--out", help="output directory (default: report_<experiment>/ beside a sqlite store, "
+                        "i.e. in the run's directory; a new temporary directory for a server store)")
     parser.add_argument("--no-log", action="store_true", help="do not log the report back to the runs")
+
+
+def default_out_dir(tracking_uri: str, experiment: str) -> str:
+    """Beside the sqlite store (an embedded run's own directory), never the current directory; for a server
+    store, whose runs get the report as artifacts anyway, a fresh temporary directory."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
+    if tracking_uri.startswith("sqlite:///"):
+        return str(Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve().parent / f"report_{safe}")
+    return tempfile.mkdtemp(prefix=f"bapo_report_{safe}_")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,10 +37,12 @@ def main(args: argparse.Namespace) -> int:
         print("bapo-nemo report: error: no tracking URI: pass --tracking-uri (e.g. sqlite:///runs/x/mlflow.db) "
               "or set MLFLOW_TRACKING_URI", file=sys.stderr)
         return 2
-    out = args.out or f"bapo_report_{''.join(c if c.isalnum() or c in '-_.' else '_' for c in args.experiment)}"
+    out = args.out or default_out_dir(args.tracking_uri, args.experiment)
     try:
         result = build_report(args.tracking_uri, args.experiment, args.runs, out, log_to_runs=not args.no_log)
     except (ReportError, TrackingConfigError) as exc:
+        if not args.out and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()  # the default directory was made for nothing
         print(f"bapo-nemo report: error: {exc}", file=sys.stderr)
         return 2
     print(f"{len(result.runs)} runs: {', '.join(r.label for r in result.runs)}")

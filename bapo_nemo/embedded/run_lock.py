@@ -1,0 +1,80 @@
+"""One training process per output directory.
+
+`<output_dir>/.lock` is held with an exclusive `flock` for the life of the run. The kernel releases it
+when the process ends in any way (return, exception, SIGKILL), so a lock file left by a dead process is
+stale by construction: the next run takes it over and says whose it was. The file records the holder's
+PID, host and start time, so a refused second run can name it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Self
+
+LOCK_FILE = ".lock"
+
+
+class OutputDirLockedError(RuntimeError):
+    """Another live process trains into the same output directory."""
+
+
+class OutputDirLock:
+    """`with OutputDirLock(dir) as lock:` holds the lock; `lock.stale` describes a dead previous holder."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / LOCK_FILE
+        self.stale: dict | None = None
+        self._fd: int | None = None
+
+    def acquire(self) -> Self:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}" if holder
+                   else "another process")
+            raise OutputDirLockedError(
+                f"{self.path.parent} is in use by {who} (started {holder.get('started', '?')}; lock file "
+                f"{self.path}): wait for it to finish, stop it, or choose another --output-dir"
+            ) from None
+        previous = _read_holder(fd)
+        # A record left behind means its writer ended without releasing: it died (the lock is ours now).
+        self.stale = previous or None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        # Empty the record before unlocking: an empty file means the last holder ended cleanly.
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> Self:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        return json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,49 @@
+"""The run's own log: one line per RL step and the decisions that matter (resuming from step N, starting
+fresh, a skipped checkpoint, stopping on a signal), appended to `<output_dir>/train.log` and, for batch
+jobs without a progress bar, printed to stderr.
+
+    with run_log(output_dir, to_stderr=not progress) as log:
+        log.info("resuming from step 10 (checkpoints/step_10)")
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+LOG_FILE = "train.log"
+LOGGER = "bapo_nemo.embedded.run"
+
+
+@contextmanager
+def run_log(output_dir: str | Path, to_stderr: bool):
+    logger = logging.getLogger(LOGGER)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the run's lines go to its own file, not to whatever the host app logs
+    handlers: list[logging.Handler] = [logging.FileHandler(Path(output_dir) / LOG_FILE, encoding="utf-8")]
+    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+        handlers[-1].setFormatter(logging.Formatter("%(message)s"))
+    for handler in handlers:
+        logger.addHandler(handler)
+    try:
+        yield logger
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+
+
+def step_line(step: int, max_steps: int, metrics: dict) -> str:
+    """`step 3/40 reward 0.41 acc 0.38 c_low 0.86 c_high 1.31 heldout 0.52 2.9s` (held-out when evaluated)."""
+    parts = [f"step {step}/{max_steps}"]
+    for key, label in (("reward/mean", "reward"), ("train/accuracy", "acc"), ("bapo/c_low", "c_low"),
+                       ("bapo/c_high", "c_high"), ("eval/avg_at_k", "heldout")):
+        if metrics.get(key) is not None:
+            parts.append(f"{label} {metrics[key]:.3g}")
+    if metrics.get("perf/step_time_s") is not None:
+        parts.append(f"{metrics['perf/step_time_s']:.1f}s")
+    return " ".join(parts)

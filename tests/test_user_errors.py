@@ -1,0 +1,421 @@
+"""What a user can get wrong, run as the user runs it: `bapo-nemo ...` in a subprocess on real files.
+
+Every case must end in one clear line naming the key or file and the fix, with a non-zero exit and no
+traceback, and no case may destroy a run. The table lists each mistake with the exit code and the words
+the message must contain; cases that need a trained run share one tiny run (copied before any damage).
+Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "seed": 0,
+    "runtime": {"progress": False},
+    "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+              "max_position_embeddings": 96},
+    "task": {"max_ops": 3, "eval_size": 8},
+    "warmup": {"steps": 4, "batch_size": 8},
+    "rollout": {"group_size": 4, "prompts_per_step": 4,
+                "partial": {"token_budget": 12, "max_resumptions": 3, "max_response_tokens": 36,
+                            "max_in_flight_groups": 8}},
+    "train": {"max_steps": 3, "updates_per_batch": 1, "micro_batch_size": 32},
+    "eval": {"every": 10, "k": 1},
+    "checkpoint": {"every": 1, "keep_last": 5},
+    "tracking": {"samples_every": 10},
+}
+
+
+def bapo_nemo(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+    )
+
+
+def write_config(directory: Path, data: dict | None = None, name: str = "tiny.yaml") -> Path:
+    path = directory / name
+    path.write_text(yaml.safe_dump(TINY if data is None else data))
+    return path
+
+
+def with_(**sections) -> dict:
+    """TINY with some keys replaced: with_(task={"train_file": "x"}) keeps the other task keys."""
+    data = json.loads(json.dumps(TINY))
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return data
+
+
+def jsonl(directory: Path, name: str, lines: list[bytes | str | dict]) -> Path:
+    path = directory / name
+    with path.open("wb") as fh:
+        for line in lines:
+            if isinstance(line, dict):
+                line = json.dumps(line)
+            fh.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    return path
+
+
+GOOD_ROWS = [{"question": f"{a}+{b}?", "answer": str(a + b), "solution": f"{a}+{b}={a + b};#{a + b}"}
+             for a in range(1, 10) for b in range(1, 4)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 3-step run with checkpoints step_0..step_3 (each test copies it before changing it)."""
+    root = tmp_path_factory.mktemp("trained")
+    done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (root / "stderr.txt").write_text(done.stderr)
+    return root / "run"
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    return run
+
+
+def tree_digest(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- the table: mistakes that end before any training ----------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    setup: Callable[[Path], list[str]]  # writes files under tmp_path, returns the bapo-nemo arguments
+    exit_code: int
+    says: list[str]  # fragments the error output must contain
+    skip: str | None = None
+    extra_env: dict = field(default_factory=dict)
+
+
+def _train(config: dict | None, *extra: str) -> Callable[[Path], list[str]]:
+    def setup(tmp: Path) -> list[str]:
+        return ["train", str(write_config(tmp, config)), "--output-dir", str(tmp / "out"), *extra]
+    return setup
+
+
+def _tasks_file(lines: list, **task) -> Callable[[Path], list[str]]:
+    def setup(tmp: Path) -> list[str]:
+        path = jsonl(tmp, "tasks.jsonl", lines)
+        cfg = with_(task={"train_file": str(path), **task})
+        return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+    return setup
+
+
+def _empty_config(tmp: Path) -> list[str]:
+    (tmp / "empty.yaml").write_text("# nothing yet\n")
+    return ["train", str(tmp / "empty.yaml"), "--output-dir", str(tmp / "out")]
+
+
+def _bad_yaml(tmp: Path) -> list[str]:
+    (tmp / "bad.yaml").write_text("model:\n  hidden_size: [32\n")
+    return ["train", str(tmp / "bad.yaml"), "--output-dir", str(tmp / "out")]
+
+
+_HELD_LOCKS: list = []
+
+
+def _locked(tmp: Path) -> list[str]:
+    from bapo_nemo.embedded.run_lock import OutputDirLock
+
+    # this test process holds the lock, as a first `bapo-nemo train` would
+    _HELD_LOCKS.append(OutputDirLock(tmp / "out").acquire())
+    return ["train", str(write_config(tmp)), "--output-dir", str(tmp / "out")]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+LONG = "1+" * 150 + "1?"  # 302 characters: 303 tokens with BOS, on a 96-position model
+CASES = [
+    # already handled before this table existed; kept so they stay handled
+    Case("unknown config key", _train(None, "optim.learning_rate=0.1"), 2, ["optim.learning_rate", "did you mean"]),
+    Case("clip range empty", _train(None, "loss.bapo.c_low_min=1.5"), 2, ["loss.bapo"]),
+    Case("rho0 out of range", _train(None, "loss.bapo.rho0=1.5"), 2, ["rho0"]),
+    Case("YAML syntax error", _bad_yaml, 2, ["bad.yaml", "not valid YAML"]),
+    Case("JSONL >10% malformed rows", _tasks_file(GOOD_ROWS[:5] + ["{not json"] * 2), 2,
+         ["tasks.jsonl", "line 6", "task.max_bad_fraction"]),
+    # newly handled
+    Case("empty config file", _empty_config, 2, ["empty.yaml is empty", "configs/local_cpu.yaml"]),
+    Case("lr is .inf", _train(None, "optim.lr=.inf"), 2, ["optim.lr", "finite"]),
+    Case("lr is .nan", _train(None, "optim.lr=.nan"), 2, ["optim.lr", "finite"]),
+    Case("missing task.train_file", _train(with_(task={"train_file": "nowhere.jsonl"})), 2,
+         ["nowhere.jsonl does not exist", "task.train_file"]),
+    Case("tasks file with no tasks", _tasks_file([]), 2, ["holds no tasks"]),
+    Case("invalid UTF-8 beyond max_bad_fraction", _tasks_file(GOOD_ROWS[:4] + [b'{"question": "1+1?\xff"}']), 2,
+         ["line 5: invalid UTF-8", "task.max_bad_fraction"]),
+    Case("prompts longer than the context", _tasks_file(GOOD_ROWS[:3] + [{"question": LONG, "answer": "151"}]),
+         2, ["line 4: prompt of 303 tokens exceeds the 60"]),
+    Case("1 MB prompt", _tasks_file([{"question": "1+" * 500_000 + "1?", "answer": "500001"}]), 2,
+         ["line 1: prompt of 1000003 tokens"]),
+    Case("cuda without CUDA", _train(None, "runtime.device=cuda"), 2, ["runtime.device=cuda", "runtime.device=cpu"],
+         skip="this machine has CUDA" if _has_cuda() else None),
+    Case("unreachable tracking server", _train(None, "tracking.tracking_uri=http://127.0.0.1:9"), 2,
+         ["http://127.0.0.1:9", "Start the tracking server"]),
+    Case("output dir in use", _locked, 2, ["is in use by PID", f"{os.getpid()}", "another --output-dir"]),
+    Case("check --nodes 0", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "0",
+                                         "--gpus-per-node", "8"], 2, ["--nodes: must be >= 1, got 0"]),
+    Case("check --gpus-per-node -1", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1",
+                                                  "--gpus-per-node", "-1"], 2, ["--gpus-per-node: must be >= 1"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_mistake_ends_in_one_clear_line(case: Case, tmp_path):
+    if case.skip:
+        pytest.skip(case.skip)
+    try:
+        done = bapo_nemo(*case.setup(tmp_path), cwd=tmp_path, env=case.extra_env)
+    finally:
+        while _HELD_LOCKS:
+            _HELD_LOCKS.pop().release()
+    assert done.returncode == case.exit_code, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    for fragment in case.says:
+        assert fragment in done.stderr, f"{fragment!r} not in:\n{done.stderr[-3000:]}"
+    assert not (tmp_path / "out" / "checkpoints").exists(), "a refused run must not write checkpoints"
+
+
+def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_path):
+    """One over-long prompt in 28 rows (3.6% <= 10%): the run trains on the other rows and says which line."""
+    path = jsonl(tmp_path, "tasks.jsonl", GOOD_ROWS[:20] + [{"question": LONG, "answer": "151"}] + GOOD_ROWS[20:27])
+    cfg = with_(task={"train_file": str(path)}, train={"max_steps": 1})
+    done = bapo_nemo("train", str(write_config(tmp_path, cfg)), "--output-dir", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipped 1 malformed row(s) of 28" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
+
+
+# ---- mistakes with a trained run: nothing of the run may be lost --------------------------------------------
+@pytest.mark.parametrize("target", [".", "checkpoints", ".."])
+def test_export_force_never_replaces_the_source_run(trained, tmp_path, target):
+    run = copy_run(trained, tmp_path)
+    before = tree_digest(run)
+    out = (run / target).resolve()
+    done = bapo_nemo("export", str(run), "--out", str(out), "--force", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "is or contains the checkpoint being exported" in done.stderr
+    assert tree_digest(run) == before
+
+
+def test_export_force_keeps_unrelated_files_and_replaces_a_previous_export(trained, tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    done = bapo_nemo("export", str(trained), "--out", str(mine), "--force", cwd=tmp_path)
+    assert done.returncode == 2 and "not a previous bapo-nemo export" in done.stderr
+    assert (mine / "thesis.tex").read_text() == "precious"
+
+    out = tmp_path / "export"
+    assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
+    again = bapo_nemo("export", str(trained), "--out", str(out), "--force", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "parity PASS" in again.stdout
+
+
+def test_exported_model_answers_through_the_public_path(trained, tmp_path):
+    """AutoTokenizer + AutoModelForCausalLM on the export (and on the run's hf_final) reproduce the trainer's
+    prompt encoding and its greedy answer (the same ids the trainer feeds its model: BOS first, spaces kept)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bapo_nemo.embedded.evaluation import encode_prompt
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+    out = tmp_path / "export"
+    assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
+    source = AutoModelForCausalLM.from_pretrained(trained / "checkpoints" / "step_3" / "model")
+    for directory, question in itertools.product([out, trained / "hf_final"], ["7+5-3?", "12 + 3?"]):
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        ids = tokenizer(question, return_tensors="pt")
+        assert ids["input_ids"][0].tolist() == encode_prompt(load_tokenizer(), question)
+        plain = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        # the trainer's side: its final checkpoint's weights fed its own encoding
+        trainer_ids = torch.tensor([encode_prompt(load_tokenizer(), question)])
+        as_trained = source.generate(trainer_ids, attention_mask=torch.ones_like(trainer_ids), max_new_tokens=8,
+                                    do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        assert plain.tolist() == as_trained.tolist()
+
+
+def test_weights_and_exports_respect_the_umask(trained, tmp_path):
+    """Under umask 022 teammates can read everything (HF's atomic saves and mkdtemp default to 0600/0700).
+    The checkpoint was written by the fixture's run under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    weights = trained / "checkpoints" / "step_3" / "model" / "model.safetensors"
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~mask
+    out = tmp_path / "export"
+    done = subprocess.run(
+        ["sh", "-c", f"umask 022 && {sys.executable} -m bapo_nemo.cli export {trained} --out {out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_report_defaults_beside_the_run_and_says_where(trained, tmp_path):
+    run = copy_run(trained, tmp_path)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    done = bapo_nemo("report", "--experiment", "bapo-embedded", "--tracking-uri", f"sqlite:///{run}/mlflow.db",
+                     "--no-log", cwd=cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(cwd.iterdir()) == []
+    assert (run / "report_bapo-embedded" / "report.html").is_file()
+    assert f"wrote {run / 'report_bapo-embedded'}" in done.stdout
+
+
+def test_check_prints_no_warning(tmp_path):
+    done = bapo_nemo("check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1", "--gpus-per-node", "8",
+                     cwd=tmp_path, env={"PYTHONWARNINGS": "always"})
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "Warning" not in done.stderr and "deprecat" not in done.stderr.lower(), done.stderr
+
+
+def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_path):
+    """Two real `bapo-nemo train` processes into one --output-dir: the second exits 2 naming the first's
+    PID; the first (stopped with SIGTERM afterwards) has one MLflow run and one metrics line per step."""
+    cfg = write_config(tmp_path, with_(train={"max_steps": 500}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    first = subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lock = tmp_path / "out" / ".lock"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (lock.is_file() and lock.read_text().strip()):
+            time.sleep(0.1)
+        second = bapo_nemo("train", str(cfg), "--output-dir", "out", "--resume", cwd=tmp_path)
+        assert first.poll() is None, "the first run ended before the second started: the test proves nothing"
+        first.send_signal(signal.SIGTERM)
+        _, first_err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, first_err[-3000:]
+    assert second.returncode == 2 and f"PID {first.pid}" in second.stderr, second.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))), steps
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("bapo-embedded")
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    assert lock.read_text() == ""  # released on exit
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_and_reported(trained, tmp_path):
+    run = copy_run(trained, tmp_path)
+    (run / ".lock").write_text(json.dumps({"pid": 999999, "host": "gone-node", "started": "yesterday"}))
+    done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by PID 999999 on host gone-node" in done.stderr
+
+
+# ---- the trainer's own endings --------------------------------------------------------------------------------
+def test_batch_run_logs_each_step_and_its_decisions(trained):
+    """TINY runs with runtime.progress=false (as --no-progress): one line per step on stderr and in train.log."""
+    stderr = (trained.parent / "stderr.txt").read_text()
+    log = (trained / "train.log").read_text()
+    for text in (stderr, log):
+        assert "starting fresh" in text
+        for step in (1, 2, 3):
+            assert f"step {step}/3 reward " in text
+        assert "finished at step 3" in text
+
+
+def _mlflow_status(run: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    return MlflowClient(f"sqlite:///{run / 'mlflow.db'}").get_run(run_id).info.status
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model/model.safetensors"])
+def test_resume_skips_a_truncated_newest_checkpoint(trained, tmp_path, damaged):
+    run = copy_run(trained, tmp_path)
+    target = run / "checkpoints" / "step_3" / damaged
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", "--max-steps", "4",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"skipping checkpoint step_3: {damaged} is truncated" in done.stderr, done.stderr[-3000:]
+    assert "resuming from step 2" in done.stderr
+    assert json.loads(done.stdout[done.stdout.index("{"):])["step"] == 4
+    assert _mlflow_status(run) == "FINISHED"
+
+
+def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_path):
+    run = copy_run(trained, tmp_path)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        state = ckpt / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    before = tree_digest(run / "checkpoints")
+    done = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no intact checkpoint" in done.stderr and "step_3: trainer_state.pt is truncated" in done.stderr
+    assert tree_digest(run / "checkpoints") == before
+
+
+def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
+    cfg = write_config(tmp_path, with_(train={"max_steps": 500}, checkpoint={"every": 100}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "SIGINT" in stderr
+    step = json.loads(stdout[stdout.index("{"):])["step"]
+    assert 1 <= step < 500 and (tmp_path / "out" / "checkpoints" / f"step_{step}" / "COMPLETE").is_file()
+    assert _mlflow_status(tmp_path / "out") == "KILLED"
+
+
+def test_a_run_that_fails_is_marked_failed(tmp_path):
+    """A JSONL without solutions cannot be warmed up on: the run ends with one line, exit 1, status FAILED."""
+    rows = [{"question": f"{a}+1?", "answer": str(a + 1)} for a in range(1, 10)]
+    path = jsonl(tmp_path, "tasks.jsonl", rows)
+    done = bapo_nemo("train", str(write_config(tmp_path, with_(task={"train_file": str(path)}))), "--output-dir",
+                     "out", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "has no 'solution'" in done.stderr and "--debug" in done.stderr
+    assert _mlflow_status(tmp_path / "out") == "FAILED"
