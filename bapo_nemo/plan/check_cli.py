@@ -9,10 +9,19 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, value
+from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, search_statistics_rules, value
 from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.search_stats import (
+    DEFAULT_PASS_RATE_BETA,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_RESPONSE_MEDIAN,
+    DEFAULT_RESPONSE_SIGMA,
+    LengthModel,
+    LengthModelError,
+    read_lengths,
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +44,55 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--no-path-checks", action="store_true", help="skip existence checks of absolute paths"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    # The response-length distribution of the bound-search statistics (bapo_nemo.plan.search_stats).
+    parser.add_argument(
+        "--response-length-median",
+        type=float,
+        default=DEFAULT_RESPONSE_MEDIAN,
+        help="median response length in tokens (log-normal; default: long chain-of-thought math)",
+    )
+    parser.add_argument(
+        "--response-length-sigma", type=float, default=DEFAULT_RESPONSE_SIGMA, help="log-normal shape"
+    )
+    parser.add_argument(
+        "--response-lengths",
+        default=None,
+        metavar="FILE",
+        help="measured response lengths, one per line (replaces the log-normal)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="typical prompt length in tokens"
+    )
+    parser.add_argument(
+        "--pass-rate-beta",
+        default=",".join(str(x) for x in DEFAULT_PASS_RATE_BETA),
+        metavar="A,B",
+        help="per-prompt pass rate ~ Beta(A, B) (decides the advantage signs)",
+    )
+
+
+def search_statistics(args, config: dict, plan):
+    """Responses per BAPO bound search for this config (see bapo_nemo.plan.search_stats)."""
+    try:
+        a, b = (float(x) for x in str(getattr(args, "pass_rate_beta", "1,1")).split(","))
+        if a <= 0 or b <= 0:
+            raise ValueError
+    except ValueError:
+        return None, [Finding("error", "--pass-rate-beta", "expects two positive numbers A,B, e.g. 1,1")]
+    median = getattr(args, "response_length_median", DEFAULT_RESPONSE_MEDIAN)
+    sigma = getattr(args, "response_length_sigma", DEFAULT_RESPONSE_SIGMA)
+    if not median > 0 or not sigma >= 0:
+        return None, [
+            Finding("error", "--response-length-median", "median must be > 0 and sigma >= 0 (tokens, log-normal)")
+        ]
+    try:
+        file = getattr(args, "response_lengths", None)
+        empirical = read_lengths(file) if file else None
+    except (OSError, LengthModelError) as exc:
+        return None, [Finding("error", "--response-lengths", str(exc))]
+    lengths = LengthModel(max_tokens=1, median=median, sigma=sigma, empirical=empirical)
+    prompt = getattr(args, "prompt_tokens", DEFAULT_PROMPT_TOKENS)
+    return search_statistics_rules(config, plan, lengths, prompt, (a, b))
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
@@ -69,17 +127,19 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
                     "gpu_memory_utilization / train_mb_tokens",
                 )
             )
+    findings += search_statistics(args, config, plan)[1]
     return config, findings, mem, plan
 
 
 def main(args) -> int:
     console = Console(width=130)
     try:
-        _, findings, mem, plan = run_check(args)
+        config, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
     errors = [x for x in findings if x.level == "error"]
+    stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
     if args.json:
         print(
             json.dumps(
@@ -98,6 +158,7 @@ def main(args) -> int:
                         "margin": mem.margin / GB,
                         "fits": mem.fits,
                     },
+                    "bound_search": None if stats is None else stats.__dict__,
                 },
                 indent=2,
             )
@@ -131,6 +192,13 @@ def main(args) -> int:
         verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
         table.add_row(f"{verdict} in {mem.capacity / GB:.0f} GB", f"margin {mem.margin / GB:.1f}")
         console.print(table)
+    if stats is not None:
+        console.print(
+            f"BAPO bound search ({value(config, 'loss_fn.bapo.granularity') or 'microbatch'}): "
+            f"~{stats.responses_median:.0f} responses per search (mean {stats.responses_mean:.1f}, p10-p90 "
+            f"{stats.responses_p10:.0f}-{stats.responses_p90:.0f}) from {stats.groups_mean:.1f} prompt groups; "
+            f"{stats.one_sided:.1%} of searches see one advantage sign only"
+        )
     if findings:
         table = Table(title="findings")
         table.add_column("level")
