@@ -9,7 +9,14 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, search_statistics_rules, value
+from bapo_nemo.plan.checks import (
+    Finding,
+    check_config,
+    plan_cluster,
+    search_statistics_rules,
+    step_granularity_cost_for,
+    value,
+)
 from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
@@ -69,6 +76,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="A,B",
         help="per-prompt pass rate ~ Beta(A, B) (decides the advantage signs)",
     )
+
+
+def step_cost(args, config: dict, plan):
+    """The compute granularity=step adds (None if the model shape is unknown)."""
+    try:
+        model = resolve_model(str(value(config, "policy.model_name")), getattr(args, "hf_config", None))
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None  # run_check already reported it
+    prompt = getattr(args, "prompt_tokens", DEFAULT_PROMPT_TOKENS)
+    median = getattr(args, "response_length_median", DEFAULT_RESPONSE_MEDIAN)
+    sigma = getattr(args, "response_length_sigma", DEFAULT_RESPONSE_SIGMA)
+    if not median > 0 or not sigma >= 0:
+        return None
+    return step_granularity_cost_for(config, plan, model, LengthModel(1, median, sigma), prompt)
 
 
 def search_statistics(args, config: dict, plan):
@@ -140,6 +161,7 @@ def main(args) -> int:
         return 1
     errors = [x for x in findings if x.level == "error"]
     stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
+    cost = step_cost(args, config, plan)
     if args.json:
         print(
             json.dumps(
@@ -159,6 +181,7 @@ def main(args) -> int:
                         "fits": mem.fits,
                     },
                     "bound_search": None if stats is None else stats.__dict__,
+                    "step_granularity_cost": None if cost is None else cost.__dict__,
                 },
                 indent=2,
             )
@@ -198,6 +221,12 @@ def main(args) -> int:
             f"~{stats.responses_median:.0f} responses per search (mean {stats.responses_mean:.1f}, p10-p90 "
             f"{stats.responses_p10:.0f}-{stats.responses_p90:.0f}) from {stats.groups_mean:.1f} prompt groups; "
             f"{stats.one_sided:.1%} of searches see one advantage sign only"
+        )
+    if cost is not None:
+        console.print(
+            f"granularity step: {cost.extra_passes} extra no-grad log-prob pass(es) per rollout batch, "
+            f"{cost.extra_pflops:.0f} PFLOPs = {cost.share_of_training:.1%} of the training compute "
+            f"(<= {cost.share_of_step:.1%} of the step with generation)"
         )
     if findings:
         table = Table(title="findings")

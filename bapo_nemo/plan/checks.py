@@ -23,9 +23,11 @@ from bapo_nemo.plan.search_stats import (
     LengthModelError,
     SearchShape,
     SearchStats,
+    length_moments,
     simulate,
     too_few,
 )
+from bapo_nemo.plan.step_cost import StepCost, step_granularity_cost
 
 Level = Literal["error", "warning"]
 
@@ -623,3 +625,26 @@ def search_statistics_rules(
             f"search: {fix}",
         )
     ]
+
+
+def step_granularity_cost_for(
+    config: dict, plan: ClusterPlan | None, model: ModelShape | None, stats_lengths: LengthModel | None = None,
+    prompt_tokens: int | None = None,
+) -> StepCost | None:
+    """The compute `granularity: step` adds for this config (bapo_nemo.plan.step_cost)."""
+    if plan is None or model is None or not bapo_enabled(config):
+        return None
+    prompt = DEFAULT_PROMPT_TOKENS if prompt_tokens is None else int(prompt_tokens)
+    seq = int(value(config, "policy.max_total_sequence_length"))
+    cap = min(int(get(config, "policy.generation.max_new_tokens", seq)), seq - prompt)
+    lengths = LengthModel(max_tokens=cap) if stats_lengths is None else replace(stats_lengths, max_tokens=cap)
+    mean, mean_sq = length_moments(lengths, prompt)
+    rollout = int(value(config, "grpo.num_prompts_per_step")) * int(value(config, "grpo.num_generations_per_prompt"))
+    return step_granularity_cost(
+        model,
+        rollout,
+        int(value(config, "policy.train_global_batch_size")),
+        plan.training.activation_checkpointing,
+        mean,
+        mean_sq,
+    )

@@ -207,3 +207,10 @@ def simulate(
 def too_few(stats: SearchStats) -> bool:
     """The warning rule (thresholds justified in docs/nemo_rl.md)."""
     return stats.responses_median < MIN_RESPONSES_PER_SEARCH or stats.one_sided > MAX_ONE_SIDED_SHARE
+
+
+def length_moments(lengths: LengthModel, prompt_tokens: int, n: int = 20000, seed: int = 0) -> tuple[float, float]:
+    """E[s] and E[s^2] of whole sequences (prompt + response), s in tokens, by sampling."""
+    rng = random.Random(seed)
+    seqs = [prompt_tokens + lengths.draw(rng) for _ in range(n)]
+    return sum(seqs) / n, sum(s * s for s in seqs) / n
