@@ -150,3 +150,15 @@ def test_bad_length_file_is_a_one_line_error(tmp_path):
     assert code == 1
     _, findings, _, _ = run_check(_args(CONFIGS / "bapo_7b.yaml", 1, "--pass-rate-beta", "1"))
     assert [f.key for f in findings if f.level == "error"] == ["--pass-rate-beta"]
+
+
+@pytest.mark.parametrize("name,nodes", [("bapo_7b.yaml", 1), ("bapo_32b.yaml", 8), ("bapo_32b_64k.yaml", 8)])
+def test_shipped_configs_search_whole_optimizer_steps(name, nodes):
+    """The shipped configs use granularity=step: every search sees a full global batch of 256 responses
+    from 16 prompt groups, so no search-statistics warning."""
+    args = _args(CONFIGS / name, nodes)
+    config, findings, _, _ = run_check(args)
+    assert config["loss_fn"]["bapo"]["granularity"] == "step"
+    assert not [f for f in findings if "responses per search" in f.message]
+    stats = json.loads(_json_check(args))["bound_search"]
+    assert stats["responses_p10"] == stats["responses_p90"] == 256 and stats["groups_mean"] == 16
