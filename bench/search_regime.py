@@ -48,7 +48,7 @@ MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 UPDATES = 4  # optimizer updates per rollout batch, as the cluster configs (1,024 responses / 256)
 
 
-def run_config(warmup_steps: int, seed: int):
+def run_config(warmup_steps: int, seed: int, lr: float | None = None):
     """configs/local_cpu.yaml, with whole responses (no partial rollouts: the cluster configs have none)
     and the cluster's 4 updates per rollout batch; 32 prompts x 8 samples -> mini-batches of 64."""
     return load_config(
@@ -61,12 +61,13 @@ def run_config(warmup_steps: int, seed: int):
             "rollout.partial.max_in_flight_groups=32",
             f"train.updates_per_batch={UPDATES}",
             "loss.bapo.granularity=step",
+            *([f"optim.lr={lr}"] if lr is not None else []),
         ],
     )
 
 
-def run_seed(seed: int, batches: int, warmup_steps: int) -> list[dict]:
-    cfg = run_config(warmup_steps, seed)
+def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None) -> list[dict]:
+    cfg = run_config(warmup_steps, seed, lr)
     torch.manual_seed(seed)
     tokenizer = load_tokenizer()
     model = build_model(cfg.model, tokenizer, seed)
@@ -183,7 +184,7 @@ def summarize(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def plot(records: list[dict], summary: dict, path: Path) -> None:
+def plot(records: list[dict], summary: dict, path: Path, lr: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +214,10 @@ def plot(records: list[dict], summary: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     for ax in axes[:2]:
         ax.set_ylim(-0.02, 1.02)
-    fig.suptitle("BAPO bound search vs responses per search (embedded trainer, 4 updates per rollout batch)")
+    fig.suptitle(
+        "BAPO bound search vs responses per search (embedded trainer, 4 updates per rollout batch"
+        + (f", lr {lr:g})" if lr is not None else ")")
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -224,16 +228,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--batches", type=int, default=8, help="rollout batches per seed")
     parser.add_argument("--warmup-steps", type=int, default=500)
+    parser.add_argument("--lr", type=float, default=None, help="RL learning rate (default: local_cpu.yaml's)")
+    parser.add_argument("--tag", default="", help="suffix of the output files, e.g. _lr1e-3")
     args = parser.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    records = [r for seed in range(args.seeds) for r in run_seed(seed, args.batches, args.warmup_steps)]
+    records = [
+        r for seed in range(args.seeds) for r in run_seed(seed, args.batches, args.warmup_steps, args.lr)
+    ]
     summary = summarize(records)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "search_regime.json").write_text(
+    out_json = RESULTS / f"search_regime{args.tag}.json"
+    out_png = PLOT.with_name(f"search_regime{args.tag}.png")
+    out_json.write_text(
         json.dumps({"args": vars(args), "summary": summary, "seconds": time.perf_counter() - t0}, indent=1)
     )
-    plot(records, summary, PLOT)
+    plot(records, summary, out_png, args.lr)
     print(
         f"{'mode':28s} {'resp':>5s} {'groups':>6s} {'met':>6s} {'1-sign':>6s} {'sd rho0':>7s} {'c_high':>12s} {'c_low':>12s} {'|d step|':>8s}"
     )
@@ -243,7 +253,7 @@ def main() -> None:
             f"{s['c_high_mean']:5.2f} ± {s['c_high_std']:4.2f} {s['c_low_mean']:5.2f} ± {s['c_low_std']:4.2f} "
             f"{s['dist_to_step_mean']:8.3f}"
         )
-    print(f"{time.perf_counter() - t0:.0f} s; wrote {RESULTS / 'search_regime.json'} and {PLOT}")
+    print(f"{time.perf_counter() - t0:.0f} s; wrote {out_json} and {out_png}")
 
 
 if __name__ == "__main__":

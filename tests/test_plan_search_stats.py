@@ -162,3 +162,8 @@ def test_shipped_configs_search_whole_optimizer_steps(name, nodes):
     assert not [f for f in findings if "responses per search" in f.message]
     stats = json.loads(_json_check(args))["bound_search"]
     assert stats["responses_p10"] == stats["responses_p90"] == 256 and stats["groups_mean"] == 16
+
+
+def test_bad_length_model_is_an_error_naming_the_option():
+    _, findings, _, _ = run_check(_args(CONFIGS / "bapo_7b.yaml", 1, "--response-length-median", "0"))
+    assert [f.key for f in findings if f.level == "error"] == ["--response-length-median"]

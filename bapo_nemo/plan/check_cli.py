@@ -78,42 +78,49 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def step_cost(args, config: dict, plan):
-    """The compute granularity=step adds (None if the model shape is unknown)."""
+def length_options(args) -> tuple[LengthModel, int, tuple[float, float]] | Finding:
+    """The response-length model, prompt length and pass-rate prior from the command line, or the
+    error finding that names the bad option."""
     try:
-        model = resolve_model(str(value(config, "policy.model_name")), getattr(args, "hf_config", None))
-    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
-        return None  # run_check already reported it
-    prompt = getattr(args, "prompt_tokens", DEFAULT_PROMPT_TOKENS)
-    median = getattr(args, "response_length_median", DEFAULT_RESPONSE_MEDIAN)
-    sigma = getattr(args, "response_length_sigma", DEFAULT_RESPONSE_SIGMA)
-    if not median > 0 or not sigma >= 0:
-        return None
-    return step_granularity_cost_for(config, plan, model, LengthModel(1, median, sigma), prompt)
+        a, b = (float(x) for x in str(args.pass_rate_beta).split(","))
+        if a <= 0 or b <= 0:
+            raise ValueError
+    except ValueError:
+        return Finding("error", "--pass-rate-beta", "expects two positive numbers A,B, e.g. 1,1")
+    if not args.response_length_median > 0 or not args.response_length_sigma >= 0:
+        return Finding(
+            "error", "--response-length-median", "the median must be > 0 and the sigma >= 0 (tokens, log-normal)"
+        )
+    try:
+        empirical = read_lengths(args.response_lengths) if args.response_lengths else None
+    except (OSError, LengthModelError) as exc:
+        return Finding("error", "--response-lengths", str(exc))
+    # max_tokens is a placeholder: the checks cap lengths from the config's generation settings.
+    lengths = LengthModel(1, args.response_length_median, args.response_length_sigma, empirical)
+    return lengths, args.prompt_tokens, (a, b)
 
 
 def search_statistics(args, config: dict, plan):
     """Responses per BAPO bound search for this config (see bapo_nemo.plan.search_stats)."""
+    options = length_options(args)
+    if isinstance(options, Finding):
+        return None, [options]
+    lengths, prompt, beta = options
+    return search_statistics_rules(config, plan, lengths, prompt, beta)
+
+
+def step_cost(args, config: dict, plan):
+    """The compute granularity=step adds (None if the model shape or an option is unusable: run_check
+    reports those)."""
+    options = length_options(args)
     try:
-        a, b = (float(x) for x in str(getattr(args, "pass_rate_beta", "1,1")).split(","))
-        if a <= 0 or b <= 0:
-            raise ValueError
-    except ValueError:
-        return None, [Finding("error", "--pass-rate-beta", "expects two positive numbers A,B, e.g. 1,1")]
-    median = getattr(args, "response_length_median", DEFAULT_RESPONSE_MEDIAN)
-    sigma = getattr(args, "response_length_sigma", DEFAULT_RESPONSE_SIGMA)
-    if not median > 0 or not sigma >= 0:
-        return None, [
-            Finding("error", "--response-length-median", "median must be > 0 and sigma >= 0 (tokens, log-normal)")
-        ]
-    try:
-        file = getattr(args, "response_lengths", None)
-        empirical = read_lengths(file) if file else None
-    except (OSError, LengthModelError) as exc:
-        return None, [Finding("error", "--response-lengths", str(exc))]
-    lengths = LengthModel(max_tokens=1, median=median, sigma=sigma, empirical=empirical)
-    prompt = getattr(args, "prompt_tokens", DEFAULT_PROMPT_TOKENS)
-    return search_statistics_rules(config, plan, lengths, prompt, (a, b))
+        model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None
+    if isinstance(options, Finding):
+        return None
+    lengths, prompt, _ = options
+    return step_granularity_cost_for(config, plan, model, lengths, prompt)
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
