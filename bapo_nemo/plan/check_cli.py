@@ -9,10 +9,26 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, value
+from bapo_nemo.plan.checks import (
+    Finding,
+    check_config,
+    plan_cluster,
+    search_statistics_rules,
+    step_granularity_cost_for,
+    value,
+)
 from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.search_stats import (
+    DEFAULT_PASS_RATE_BETA,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_RESPONSE_MEDIAN,
+    DEFAULT_RESPONSE_SIGMA,
+    LengthModel,
+    LengthModelError,
+    read_lengths,
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +57,76 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(default: the current one; slurm/bapo_32b.sbatch runs in the checkout, BAPO_REPO)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    # The response-length distribution of the bound-search statistics (bapo_nemo.plan.search_stats).
+    parser.add_argument(
+        "--response-length-median",
+        type=float,
+        default=DEFAULT_RESPONSE_MEDIAN,
+        help="median response length in tokens (log-normal; default: long chain-of-thought math)",
+    )
+    parser.add_argument(
+        "--response-length-sigma", type=float, default=DEFAULT_RESPONSE_SIGMA, help="log-normal shape"
+    )
+    parser.add_argument(
+        "--response-lengths",
+        default=None,
+        metavar="FILE",
+        help="measured response lengths, one per line (replaces the log-normal)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="typical prompt length in tokens"
+    )
+    parser.add_argument(
+        "--pass-rate-beta",
+        default=",".join(str(x) for x in DEFAULT_PASS_RATE_BETA),
+        metavar="A,B",
+        help="per-prompt pass rate ~ Beta(A, B) (decides the advantage signs)",
+    )
+
+
+def length_options(args) -> tuple[LengthModel, int, tuple[float, float]] | Finding:
+    """The response-length model, prompt length and pass-rate prior from the command line, or the
+    error finding that names the bad option."""
+    try:
+        a, b = (float(x) for x in str(args.pass_rate_beta).split(","))
+        if a <= 0 or b <= 0:
+            raise ValueError
+    except ValueError:
+        return Finding("error", "--pass-rate-beta", "expects two positive numbers A,B, e.g. 1,1")
+    if not args.response_length_median > 0 or not args.response_length_sigma >= 0:
+        return Finding(
+            "error", "--response-length-median", "the median must be > 0 and the sigma >= 0 (tokens, log-normal)"
+        )
+    try:
+        empirical = read_lengths(args.response_lengths) if args.response_lengths else None
+    except (OSError, LengthModelError) as exc:
+        return Finding("error", "--response-lengths", str(exc))
+    # max_tokens is a placeholder: the checks cap lengths from the config's generation settings.
+    lengths = LengthModel(1, args.response_length_median, args.response_length_sigma, empirical)
+    return lengths, args.prompt_tokens, (a, b)
+
+
+def search_statistics(args, config: dict, plan):
+    """Responses per BAPO bound search for this config (see bapo_nemo.plan.search_stats)."""
+    options = length_options(args)
+    if isinstance(options, Finding):
+        return None, [options]
+    lengths, prompt, beta = options
+    return search_statistics_rules(config, plan, lengths, prompt, beta)
+
+
+def step_cost(args, config: dict, plan):
+    """The compute granularity=step adds (None if the model shape or an option is unusable: run_check
+    reports those)."""
+    options = length_options(args)
+    try:
+        model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None
+    if isinstance(options, Finding):
+        return None
+    lengths, prompt, _ = options
+    return step_granularity_cost_for(config, plan, model, lengths, prompt)
 
 
 def _positive_int(text: str) -> int:
@@ -86,17 +172,20 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
                     "gpu_memory_utilization / train_mb_tokens",
                 )
             )
+    findings += search_statistics(args, config, plan)[1]
     return config, findings, mem, plan
 
 
 def main(args) -> int:
     console = Console(width=130)
     try:
-        _, findings, mem, plan = run_check(args)
+        config, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
     errors = [x for x in findings if x.level == "error"]
+    stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
+    cost = step_cost(args, config, plan)
     if args.json:
         print(
             json.dumps(
@@ -115,6 +204,8 @@ def main(args) -> int:
                         "margin": mem.margin / GB,
                         "fits": mem.fits,
                     },
+                    "bound_search": None if stats is None else stats.__dict__,
+                    "step_granularity_cost": None if cost is None else cost.__dict__,
                 },
                 indent=2,
             )
@@ -148,6 +239,19 @@ def main(args) -> int:
         verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
         table.add_row(f"{verdict} in {mem.capacity / GB:.0f} GB", f"margin {mem.margin / GB:.1f}")
         console.print(table)
+    if stats is not None:
+        console.print(
+            f"BAPO bound search ({value(config, 'loss_fn.bapo.granularity') or 'microbatch'}): "
+            f"~{stats.responses_median:.0f} responses per search (mean {stats.responses_mean:.1f}, p10-p90 "
+            f"{stats.responses_p10:.0f}-{stats.responses_p90:.0f}) from {stats.groups_mean:.1f} prompt groups; "
+            f"{stats.one_sided:.1%} of searches see one advantage sign only"
+        )
+    if cost is not None:
+        console.print(
+            f"granularity step: {cost.extra_passes} extra no-grad log-prob pass(es) per rollout batch, "
+            f"{cost.extra_pflops:.0f} PFLOPs = {cost.share_of_training:.1%} of the training compute "
+            f"(<= {cost.share_of_step:.1%} of the step with generation)"
+        )
     if findings:
         table = Table(title="findings")
         table.add_column("level")

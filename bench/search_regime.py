@@ -1,0 +1,260 @@
+"""BAPO's bound search with few responses per search: the cluster regime, reproduced on the embedded trainer.
+
+On the shipped NeMo-RL configs a `granularity: microbatch` search sees one packed bin per data-parallel
+rank: ~2-5 long responses (`bapo-nemo check` reports it). This script puts the embedded trainer in that
+regime and measures, on the same weights and the same mini-batch, what every granularity would choose:
+
+- the embedded trainer's real pieces: warm-up (SFT), sampling, rewards, GRPO advantages, and 4 optimizer
+  updates per rollout batch (`policy_update`, step granularity, which drives the policy);
+- before each update, the current log-probs of the mini-batch (no-grad forward), then
+  * `step`: one search over the whole mini-batch (what `granularity: step` uses);
+  * `microbatch` with m responses per search (m = 1 .. 32), the responses grouped by similar length as
+    packing groups them. On D data-parallel ranks a search sums D micro-batches' statistics (one
+    all-reduce), which tests/test_algorithm_distributed.py proves equals one search on their union:
+    m responses per search = D ranks x m / D responses per packed bin (adjacent bins, similar lengths);
+- per search: target met (else the bounds are the saturated end of the path), one advantage sign only,
+  the chosen bounds, and their distance to the step search's bounds on the same update.
+
+Writes bench/results/search_regime.json and docs/results/search_regime.png; prints the table.
+Usage: python bench/search_regime.py [--seeds 2] [--batches 8] [--warmup-steps 500]  (~2 min per seed, 1 thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bapo_nemo.algorithm import search_clip_bounds
+from bapo_nemo.algorithm.bapo import importance_ratio
+from bapo_nemo.embedded import warmup as warmup_io
+from bapo_nemo.embedded.config import load_config
+from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
+from bapo_nemo.embedded.generation import sample_continuations
+from bapo_nemo.embedded.grpo import build_batch, forward_logprobs, length_sorted_micro_batches, policy_update
+from bapo_nemo.embedded.model import build_model
+from bapo_nemo.embedded.tasks import Task, TaskStream, reward
+from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.rollout import GenerationChunk, PartialRolloutManager, PromptItem, split_minibatches
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PLOT = ROOT / "docs" / "results" / "search_regime.png"
+MICRO_SIZES = (1, 2, 4, 8, 16, 32)
+UPDATES = 4  # optimizer updates per rollout batch, as the cluster configs (1,024 responses / 256)
+
+
+def run_config(warmup_steps: int, seed: int, lr: float | None = None):
+    """configs/local_cpu.yaml, with whole responses (no partial rollouts: the cluster configs have none)
+    and the cluster's 4 updates per rollout batch; 32 prompts x 8 samples -> mini-batches of 64."""
+    return load_config(
+        ROOT / "configs" / "local_cpu.yaml",
+        [
+            f"seed={seed}",
+            f"warmup.steps={warmup_steps}",
+            "rollout.prompts_per_step=32",
+            "rollout.partial.token_budget=80",
+            "rollout.partial.max_in_flight_groups=32",
+            f"train.updates_per_batch={UPDATES}",
+            "loss.bapo.granularity=step",
+            *([f"optim.lr={lr}"] if lr is not None else []),
+        ],
+    )
+
+
+def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None) -> list[dict]:
+    cfg = run_config(warmup_steps, seed, lr)
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer()
+    model = build_model(cfg.model, tokenizer, seed)
+    warm = TaskStream(seed + 7919, cfg.task, set(), None, cfg.warmup.step_error_rate)
+    warmup_io.run_warmup(model, tokenizer, warm, cfg.warmup, torch.device("cpu"), progress=False)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2)
+    )
+    stream = TaskStream(seed, cfg.task, set(), None)
+    manager = PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size)
+    sample_gen = torch.Generator().manual_seed(seed + 1)
+    shuffle_gen = torch.Generator().manual_seed(seed + 2)
+    bapo = cfg.loss.bapo
+
+    def generate_fn(contexts, max_new_tokens):
+        outs = sample_continuations(
+            model, contexts, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id, sample_gen
+        )
+        return [GenerationChunk(o.token_ids, o.logprobs, o.finished) for o in outs]
+
+    def score(r) -> float:  # a response cut off without EOS scores 0, as in the trainer
+        if r.truncated:
+            return 0.0
+        return reward(
+            decode_response(tokenizer, r.response_token_ids),
+            Task(r.prompt_id, r.meta["question"], r.meta["answer"]),
+        )
+
+    records, version = [], 0
+    for b in range(batches):
+        manager.add_prompts(
+            [
+                PromptItem(
+                    t.prompt_id,
+                    encode_prompt(tokenizer, t.question),
+                    {"question": t.question, "answer": t.answer},
+                )
+                for t in stream.next(cfg.rollout.prompts_per_step)
+            ]
+        )
+        groups = []
+        while len(groups) < cfg.rollout.prompts_per_step:
+            groups += manager.run_iteration(generate_fn, version, cfg.rollout.prompts_per_step - len(groups))
+        rewards = [[score(r) for r in g.rollouts] for g in groups]
+        batch = build_batch(groups, rewards, tokenizer.pad_token_id)
+        for u, rows in enumerate(split_minibatches(len(batch), UPDATES, cfg.rollout.group_size, shuffle_gen)):
+            mb = batch.select(rows)
+            width = mb.mask.shape[1]
+            old, weights = batch.behavior_logprobs[rows][:, :width], batch.loss_weights[rows][:, :width]
+            ratio = importance_ratio(forward_logprobs(model, mb, 64), old)
+            adv = mb.advantages.expand_as(ratio)
+
+            def search(idx, ratio=ratio, adv=adv, mask=mb.mask, weights=weights):
+                i = torch.tensor(idx)
+                return search_clip_bounds(ratio[i], adv[i], mask[i], bapo, weights=weights[i])
+
+            step = search(list(range(len(mb))))
+            modes = {("step", len(mb)): [(list(range(len(mb))), step)]}
+            for m in MICRO_SIZES:
+                modes[(f"microbatch m={m}", m)] = [
+                    (idx, search(idx)) for idx in length_sorted_micro_batches(mb, m)
+                ]
+            for (mode, n), results in modes.items():
+                for idx, res in results:
+                    records.append(
+                        {
+                            "seed": seed,
+                            "batch": b,
+                            "update": u,
+                            "mode": mode,
+                            "responses": n,
+                            "groups": len({int(mb.group_index[i]) for i in idx}),
+                            "rho_initial": res.rho_initial,
+                            "c_low": res.c_low,
+                            "c_high": res.c_high,
+                            "target_met": bool(res.target_met),
+                            "one_sided": res.tokens_pos == 0 or res.tokens_neg == 0,
+                            "tokens": res.num_tokens,
+                            "dist_to_step": abs(res.c_low - step.c_low) + abs(res.c_high - step.c_high),
+                        }
+                    )
+            policy_update(
+                model,
+                optimizer,
+                mb,
+                old,
+                weights,
+                cfg.loss,
+                cfg.train.micro_batch_size,
+                cfg.optim.grad_clip,
+                cfg.train.step_search_graph_tokens,
+            )
+            version += 1
+    return records
+
+
+def summarize(records: list[dict]) -> dict[str, dict]:
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        rs = [r for r in records if r["mode"] == mode and r["tokens"] > 0]
+        out[mode] = {
+            "responses": rs[0]["responses"],
+            "searches": len(rs),
+            "groups_mean": statistics.mean(r["groups"] for r in rs),
+            "target_met": statistics.mean(r["target_met"] for r in rs),
+            "one_sided": statistics.mean(r["one_sided"] for r in rs),
+            "rho_initial_std": statistics.pstdev(r["rho_initial"] for r in rs),
+            "c_high_mean": statistics.mean(r["c_high"] for r in rs),
+            "c_high_std": statistics.pstdev(r["c_high"] for r in rs),
+            "c_low_mean": statistics.mean(r["c_low"] for r in rs),
+            "c_low_std": statistics.pstdev(r["c_low"] for r in rs),
+            "dist_to_step_mean": statistics.mean(r["dist_to_step"] for r in rs),
+        }
+    return out
+
+
+def plot(records: list[dict], summary: dict, path: Path, lr: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    step = summary["step"]
+    names = [f"microbatch m={m}" for m in MICRO_SIZES]
+    xs = [summary[n]["responses"] for n in names]
+    axes[0].plot(xs, [summary[n]["target_met"] for n in names], marker="o", label="microbatch")
+    axes[1].plot(xs, [summary[n]["one_sided"] for n in names], marker="o", label="microbatch")
+    axes[2].plot(xs, [summary[n]["dist_to_step_mean"] for n in names], marker="o", label="microbatch")
+    axes[0].axhline(step["target_met"], color="k", ls="--", label=f"step ({step['responses']} responses)")
+    axes[1].axhline(step["one_sided"], color="k", ls="--", label="step")
+    for ax, title in zip(
+        axes,
+        (
+            "searches that meet rho0 (the rest saturate)",
+            "searches that see one advantage sign only",
+            "|c_low - c_low(step)| + |c_high - c_high(step)|, mean",
+        ),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("responses per search")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[:2]:
+        ax.set_ylim(-0.02, 1.02)
+    fig.suptitle(
+        "BAPO bound search vs responses per search (embedded trainer, 4 updates per rollout batch"
+        + (f", lr {lr:g})" if lr is not None else ")")
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=8, help="rollout batches per seed")
+    parser.add_argument("--warmup-steps", type=int, default=500)
+    parser.add_argument("--lr", type=float, default=None, help="RL learning rate (default: local_cpu.yaml's)")
+    parser.add_argument("--tag", default="", help="suffix of the output files, e.g. _lr1e-3")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    records = [
+        r for seed in range(args.seeds) for r in run_seed(seed, args.batches, args.warmup_steps, args.lr)
+    ]
+    summary = summarize(records)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_json = RESULTS / f"search_regime{args.tag}.json"
+    out_png = PLOT.with_name(f"search_regime{args.tag}.png")
+    out_json.write_text(
+        json.dumps({"args": vars(args), "summary": summary, "seconds": time.perf_counter() - t0}, indent=1)
+    )
+    plot(records, summary, out_png, args.lr)
+    print(
+        f"{'mode':28s} {'resp':>5s} {'groups':>6s} {'met':>6s} {'1-sign':>6s} {'sd rho0':>7s} {'c_high':>12s} {'c_low':>12s} {'|d step|':>8s}"
+    )
+    for mode, s in summary.items():
+        print(
+            f"{mode:28s} {s['responses']:5d} {s['groups_mean']:6.1f} {s['target_met']:6.2f} {s['one_sided']:6.2f} {s['rho_initial_std']:7.3f} "
+            f"{s['c_high_mean']:5.2f} ± {s['c_high_std']:4.2f} {s['c_low_mean']:5.2f} ± {s['c_low_std']:4.2f} "
+            f"{s['dist_to_step_mean']:8.3f}"
+        )
+    print(f"{time.perf_counter() - t0:.0f} s; wrote {out_json} and {out_png}")
+
+
+if __name__ == "__main__":
+    main()
