@@ -1,0 +1,253 @@
+"""`python -m bapo_nemo.train` end to end on CPU: NeMo-RL v0.7.0's real setup() and GRPO loop.
+
+Real: Ray (a local head with logical GPUs so the placement groups schedule), data processing, the math
+environment's Ray actors, the advantage estimator, the Logger writing to MLflow (sqlite), the
+CheckpointManager, BAPOLossFn. Faked, at the GPU boundary only: the policy's training workers and the
+vLLM generator (tests/nemo_cpu_standins.py). The driver runs in this process (`driver.main(argv)`), so
+the stand-ins are put in place by replacing `nemo_rl.algorithms.grpo.Policy` / `.VllmGeneration`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.nemo_rl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A private Ray head (2 logical CPUs' worth of actors, 1 logical GPU), stopped with the module.
+
+    `ray start --block` keeps the head's processes as its children: terminating it stops exactly them.
+    NeMo-RL's init_ray() joins it through RAY_ADDRESS (an externally managed cluster is reused)."""
+    import ray
+
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+            "--num-cpus=4", "--num-gpus=1", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    deadline = time.time() + 90
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False)
+            ray.shutdown()
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.terminate()
+                raise RuntimeError(f"the Ray head at {address} did not start") from None
+            time.sleep(1)
+    yield address
+    if ray.is_initialized():
+        ray.shutdown()
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if previous is None:
+        os.environ.pop("RAY_ADDRESS", None)
+    else:
+        os.environ["RAY_ADDRESS"] = previous
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    """The GPU worker groups replaced at setup()'s boundary; the record of every loss call."""
+    from nemo_rl.algorithms import grpo
+
+    from tests import nemo_cpu_standins
+
+    monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
+    monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
+    nemo_cpu_standins.TRAIN_CALLS.clear()
+    nemo_cpu_standins._REFIT.clear()
+    yield nemo_cpu_standins
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from tests.nemo_cpu_standins import write_math_jsonl, write_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "model": write_tiny_model(root / "tiny_qwen2"),
+        "train": write_math_jsonl(root / "train.jsonl", 64),
+    }
+
+
+def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", **extra) -> Path:
+    """configs/bapo_7b.yaml shrunk to a tiny CPU run: 2 prompts x 4 samples, 2 optimizer steps per
+    rollout batch (train_global_batch_size 4), micro-batches of 2; DTensor-shaped policy keys."""
+    model = str(assets["model"])
+    config = {
+        "defaults": str(REPO / "configs" / "bapo_7b.yaml"),
+        "grpo": {
+            "num_prompts_per_step": 2,
+            "num_generations_per_prompt": 4,
+            "max_num_steps": 2,
+            "val_period": 0,
+            "val_at_start": False,
+            "val_at_end": False,
+            "seed": 7,
+        },
+        "loss_fn": {"bapo": {"granularity": granularity}},
+        "checkpointing": {
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "save_period": 1,
+            "metric_name": None,
+        },
+        "policy": {
+            "model_name": model,
+            "tokenizer": {"name": model},
+            "train_global_batch_size": 4,
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 2,
+            "generation_batch_size": 8,
+            "max_total_sequence_length": 32,
+            "precision": "float32",
+            "megatron_cfg": {"enabled": False},
+            "dtensor_cfg": {
+                "enabled": True, "_v2": False, "cpu_offload": False, "sequence_parallel": False,
+                "activation_checkpointing": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
+                "custom_parallel_plan": None,
+            },
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1.0e-3}},
+            "sequence_packing": {"enabled": False},
+            "make_sequence_length_divisible_by": 1,
+            "generation": {
+                "max_new_tokens": 6,
+                "vllm_cfg": {"precision": "bfloat16", "tensor_parallel_size": 1, "max_model_len": 32},
+            },
+        },
+        "data": {
+            "max_input_seq_length": 16,
+            "num_workers": 0,
+            "train": {
+                "dataset_name": "ResponseDataset", "data_path": str(assets["train"]),
+                "input_key": "input", "output_key": "output", "prompt_file": None,
+            },
+            "validation": None,
+        },
+        "env": {"math": {"num_workers": 1}},
+        "logger": {
+            "log_dir": str(tmp_path / "logs"),
+            "monitor_gpus": False,
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "e2e"},
+        },
+        "cluster": {"gpus_per_node": 1, "num_nodes": 1},
+    }
+    _merge(config, extra)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def run_driver(config: Path, *overrides: str) -> int:
+    import ray
+
+    from bapo_nemo.nemo.driver import main
+
+    try:
+        return main(["--config", str(config), *overrides])
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.mark.parametrize("granularity", ["microbatch", "step"])
+def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
+    tmp_path, ray_head, standins, tiny_assets, granularity
+):
+    """Every loss call clipped with the bounds search_clip_bounds gives on the data the loss saw
+    (microbatch: that micro-batch; step: the whole optimizer step's batch), and the BAPO metrics reach
+    the MLflow run NeMo-RL's Logger writes."""
+    import torch
+
+    from bapo_nemo.algorithm import search_clip_bounds
+    from bapo_nemo.algorithm.bapo import importance_ratio
+    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
+
+    config = tiny_config(tmp_path, tiny_assets, granularity)
+    assert run_driver(config) == 0
+
+    calls = standins.TRAIN_CALLS
+    # 2 GRPO steps x (8 samples / 4 per optimizer step) x (4 / 2 per micro-batch) = 8 loss calls.
+    assert len(calls) == 8
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
+
+    cfg = yaml.safe_load(config.read_text())
+    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
+    _merge(base, cfg["loss_fn"])
+    options = bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
+
+    def inputs(call):
+        data = call["data"]
+        mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+        ratio = importance_ratio(call["logprobs"], data["generation_logprobs"][:, 1:])
+        return ratio, data["advantages"][:, 1:], mask
+
+    def used_bounds(call):
+        m, data = call["metrics"], call["data"]
+        n_local = float((data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
+        scale = call["global_valid_toks"] / n_local
+        return m["bapo/c_low"] * scale, m["bapo/c_high"] * scale
+
+    groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
+    for group in groups:
+        if granularity == "microbatch":
+            expected = [search_clip_bounds(*inputs(c), options) for c in group]
+        else:
+            parts = [inputs(c) for c in group]
+            whole = search_clip_bounds(*(torch.cat([p[i] for p in parts]) for i in range(3)), options)
+            expected = [whole, whole]
+        for call, want in zip(group, expected):
+            got = used_bounds(call)
+            assert got == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+        if granularity == "step":
+            assert used_bounds(group[0]) == pytest.approx(used_bounds(group[1]), abs=1e-9)
+
+    # The MLflow run NeMo-RL's Logger wrote carries the BAPO metrics for both steps.
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/bapo/c_high")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
+    assert run.data.tags.get("bapo.runtime") == "nemo_rl"
