@@ -251,3 +251,36 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert sorted(m.step for m in history) == [1, 2]
     assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
     assert run.data.tags.get("bapo.runtime") == "nemo_rl"
+
+
+@pytest.fixture
+def ray_must_not_start(monkeypatch):
+    """Bad input must fail before Ray starts: starting it fails the test."""
+    from nemo_rl.distributed import virtual_cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver started Ray before rejecting the config")
+
+    monkeypatch.setattr(virtual_cluster, "init_ray", refuse)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ({"grpo": {"num_prompt_per_step": 2}}, ["grpo.num_prompt_per_step"]),
+        ({"loss_fn": {"bapo": {"rho0": 1.5}}}, ["loss_fn.bapo", "rho0"]),
+        ({"loss_fn": {"force_on_policy_ratio": True}}, ["force_on_policy_ratio", "false"]),
+    ],
+    ids=["unknown-key", "invalid-bapo-value", "bapo-with-force-on-policy-ratio"],
+)
+def test_bad_input_is_one_clear_error_before_ray_starts(
+    tmp_path, tiny_assets, ray_must_not_start, extra, needles
+):
+    from bapo_nemo.nemo.driver import main
+
+    config = tiny_config(tmp_path, tiny_assets, **extra)
+    with pytest.raises((ValueError, SystemExit)) as info:
+        main(["--config", str(config)])
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
