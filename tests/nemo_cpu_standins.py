@@ -43,6 +43,11 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 _REFIT: dict[str, dict[str, torch.Tensor]] = {}
 # Every train() call's data and loss metrics, for the tests to inspect (the loss's own inputs).
 TRAIN_CALLS: list[dict[str, Any]] = []
+# Every policy construction's weights/optimizer paths (resume loads them) and every generated prompt.
+POLICY_INITS: list[dict[str, Any]] = []
+GENERATED_PROMPTS: list[list[int]] = []
+# Called at the start of every train(), e.g. to deliver a signal "during step N".
+ON_TRAIN: list[Any] = []
 
 
 def write_tiny_model(directory: Path, seed: int = 0) -> Path:
@@ -121,6 +126,7 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
     ):
         self.cfg = config
         self.tokenizer = tokenizer
+        POLICY_INITS.append({"weights_path": weights_path, "optimizer_path": optimizer_path})
         source = weights_path if weights_path else config["model_name"]
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         lr = float(config.get("optimizer", {}).get("kwargs", {}).get("lr", 1e-3))
@@ -155,6 +161,8 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
         self, data: BatchedDataDict, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None,
         check_dim_skip_keys=None,
     ) -> dict[str, Any]:
+        for hook in ON_TRAIN:
+            hook()
         gbs = gbs or self.cfg["train_global_batch_size"]
         mbs = mbs or self.cfg["train_micro_batch_size"]
         num_global_batches = data.size // gbs  # dtensor_policy_worker.py line 594 (dp_size 1)
@@ -283,6 +291,7 @@ class CPUGenerationStandIn(GenerationInterface):
         rows, lps, gen_lens = [], [], []
         for i in range(input_ids.shape[0]):
             seq = input_ids[i, : int(input_lengths[i])].tolist()
+            GENERATED_PROMPTS.append(list(seq))
             n_in, seq_lp = len(seq), []
             while len(seq) - n_in < max_new:
                 logits = self.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()

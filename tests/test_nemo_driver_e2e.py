@@ -87,7 +87,9 @@ def standins(monkeypatch):
 
     monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
     monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
-    nemo_cpu_standins.TRAIN_CALLS.clear()
+    for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
+                   nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN):
+        record.clear()
     nemo_cpu_standins._REFIT.clear()
     yield nemo_cpu_standins
 
@@ -284,3 +286,79 @@ def test_bad_input_is_one_clear_error_before_ray_starts(
     message = str(info.value)
     for needle in needles:
         assert needle in message, message
+
+
+def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, standins, tiny_assets):
+    """SIGUSR1 during step 1 -> checkpoint step_1 and exit; the same command resumes at step 2 with the
+    saved weights and optimizer, the dataloader's position and the same MLflow run. The checkpoint
+    carries the parity recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
+    import json
+    import signal
+
+    import mlflow
+    import torch
+
+    from bapo_nemo.export.parity import read_reference_logprobs
+    from bapo_nemo.nemo import stop_signal
+
+    config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
+                         checkpointing={"save_period": 100})
+    sent = []
+
+    def signal_during_first_step():
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    standins.ON_TRAIN.append(signal_during_first_step)
+    previous_handler = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert run_driver(config) == 0
+    finally:
+        stop_signal._requested.clear()
+        signal.signal(signal.SIGUSR1, previous_handler)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_1"]
+    assert len(standins.TRAIN_CALLS) == 4  # one GRPO step's loss calls, then the driver returned
+    first_run_prompts = list(standins.GENERATED_PROMPTS)
+    assert len(first_run_prompts) == 8  # 2 prompts x 4 generations
+
+    # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
+    step_dir = ckpt / "step_1"
+    reference = read_reference_logprobs(step_dir)
+    assert reference is not None
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(step_dir / "policy" / "weights", dtype=torch.float32).eval()
+    for seq, row in zip(reference["sequences"], reference["logprobs"]):
+        with torch.no_grad():
+            lp = torch.log_softmax(saved(input_ids=torch.tensor([seq])).logits[0, :-1].float(), -1)
+        want = lp.gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(row), want, atol=1e-5)
+
+    # bapo-nemo export accepts the checkpoint's layout and says what it needs that CPU cannot give.
+    out = subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", "export", str(step_dir), "--out", str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
+
+    # The same command again: resumes at step 2.
+    standins.POLICY_INITS.clear()
+    standins.GENERATED_PROMPTS.clear()
+    standins.TRAIN_CALLS.clear()
+    assert run_driver(config) == 0
+    (init,) = standins.POLICY_INITS
+    assert Path(init["weights_path"]) == step_dir / "policy" / "weights"
+    assert Path(init["optimizer_path"]) == step_dir / "policy" / "optimizer"
+    assert len(standins.TRAIN_CALLS) == 8  # steps 2 and 3 only
+    # A restarted dataloader (same seed) would hand out step 1's prompts again; the resumed one does not.
+    assert standins.GENERATED_PROMPTS[:8] != first_run_prompts
+    assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
+
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert len(runs) == 1  # the resumed job logged into the same run
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
+    assert steps == [1, 2, 3]
