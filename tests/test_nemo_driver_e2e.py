@@ -102,6 +102,9 @@ def tiny_assets(tmp_path_factory):
     return {
         "model": write_tiny_model(root / "tiny_qwen2"),
         "train": write_math_jsonl(root / "train.jsonl", 64),
+        # One store for the module, an experiment per test: MLflow's fluent API in one process does not
+        # follow a second sqlite URI (v0.7.0's MLflowLogger then creates its run in the first store).
+        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
     }
 
 
@@ -162,7 +165,7 @@ def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", *
         "logger": {
             "log_dir": str(tmp_path / "logs"),
             "monitor_gpus": False,
-            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": "e2e"},
+            "mlflow": {"tracking_uri": assets["mlflow"], "experiment_name": tmp_path.name},
         },
         "cluster": {"gpus_per_node": 1, "num_nodes": 1},
     }
@@ -247,8 +250,8 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     # The MLflow run NeMo-RL's Logger wrote carries the BAPO metrics for both steps.
     import mlflow
 
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
     history = client.get_metric_history(run.info.run_id, "train/bapo/c_high")
     assert sorted(m.step for m in history) == [1, 2]
     assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
@@ -357,8 +360,8 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     assert standins.GENERATED_PROMPTS[:8] != first_run_prompts
     assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
 
-    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    runs = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
     assert len(runs) == 1  # the resumed job logged into the same run
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
     assert steps == [1, 2, 3]
