@@ -59,7 +59,7 @@ def ray_head():
             ray.init(address=address, log_to_driver=False)
             ray.shutdown()
             break
-        except Exception:
+        except (ConnectionError, RuntimeError, TimeoutError):  # not up yet
             if time.time() > deadline or proc.poll() is not None:
                 proc.terminate()
                 raise RuntimeError(f"the Ray head at {address} did not start") from None
@@ -342,7 +342,7 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     # bapo-nemo export accepts the checkpoint's layout and says what it needs that CPU cannot give.
     out = subprocess.run(
         [sys.executable, "-m", "bapo_nemo.cli", "export", str(step_dir), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert out.returncode == 2, out.stderr
     assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
