@@ -46,6 +46,10 @@ TRAIN_CALLS: list[dict[str, Any]] = []
 # Every policy construction's weights/optimizer paths (resume loads them) and every generated prompt.
 POLICY_INITS: list[dict[str, Any]] = []
 GENERATED_PROMPTS: list[list[int]] = []
+# Every sampled segment: its context, new tokens, their log-probs, and the generator's weight version
+# (refits so far, counted across driver runs in this process so a resumed run's versions stay distinct).
+SEGMENTS: list[dict[str, Any]] = []
+WEIGHT_VERSION = [0]
 # Called at the start of every train(), e.g. to deliver a signal "during step N".
 ON_TRAIN: list[Any] = []
 
@@ -301,6 +305,8 @@ class CPUGenerationStandIn(GenerationInterface):
                 seq_lp.append(float(torch.log(probs[tok])))
                 if tok in stops:
                     break
+            SEGMENTS.append({"context": seq[:n_in], "tokens": seq[n_in:], "logprobs": seq_lp,
+                             "version": WEIGHT_VERSION[0]})
             rows.append(seq)
             lps.append([0.0] * n_in + seq_lp)
             gen_lens.append(len(seq) - n_in)
@@ -323,6 +329,7 @@ class CPUGenerationStandIn(GenerationInterface):
 
     def update_weights_via_ipc_zmq(self) -> list:
         self.model.load_state_dict(_REFIT["weights"])
+        WEIGHT_VERSION[0] += 1
         return [ray.put(True)]
 
     def update_weights_from_collective(self) -> list:

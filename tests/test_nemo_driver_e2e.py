@@ -88,7 +88,8 @@ def standins(monkeypatch):
     monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
     monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
     for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
-                   nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN):
+                   nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN,
+                   nemo_cpu_standins.SEGMENTS):
         record.clear()
     nemo_cpu_standins._REFIT.clear()
     yield nemo_cpu_standins
@@ -291,10 +292,12 @@ def test_bad_input_is_one_clear_error_before_ray_starts(
         assert needle in message, message
 
 
-def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, standins, tiny_assets):
-    """SIGUSR1 during step 1 -> checkpoint step_1 and exit; the same command resumes at step 2 with the
-    saved weights and optimizer, the dataloader's position and the same MLflow run. The checkpoint
-    carries the parity recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
+def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, tiny_assets):
+    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 1 -> checkpoint
+    step_1 and exit; the same command resumes at step 2 with the in-flight segments, the saved weights
+    and optimizer, the dataloader's position and the same MLflow run. Responses sampled over several
+    steps reach the loss with each token's own behaviour log-prob. The checkpoint carries the parity
+    recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
     import json
     import signal
 
@@ -305,7 +308,8 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     from bapo_nemo.nemo import stop_signal
 
     config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
-                         checkpointing={"save_period": 100})
+                         checkpointing={"save_period": 100},
+                         partial_rollouts={"token_budget": 2, "max_resumptions": 4, "stale_segments": "keep"})
     sent = []
 
     def signal_during_first_step():
@@ -324,7 +328,14 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_1"]
     assert len(standins.TRAIN_CALLS) == 4  # one GRPO step's loss calls, then the driver returned
     first_run_prompts = list(standins.GENERATED_PROMPTS)
-    assert len(first_run_prompts) == 8  # 2 prompts x 4 generations
+    assert all(len(s["tokens"]) <= 2 for s in standins.SEGMENTS)  # the budget reached the generator
+    # The hook's state went into the checkpoint: groups sampled but not yet trained (the prefilled
+    # batch's), with each response's tokens and behaviour log-probs.
+    state = json.loads((ckpt / "step_1" / "partial_rollouts.json").read_text())["manager"]
+    carried = [(g["prompt_token_ids"] + s["response_token_ids"], s["behavior_logprobs"])
+               for key in ("pending", "active", "completed") for g in state[key] for s in g["sequences"]]
+    assert carried
+    run1_calls = list(standins.TRAIN_CALLS)
 
     # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
     step_dir = ckpt / "step_1"
@@ -350,14 +361,31 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     # The same command again: resumes at step 2.
     standins.POLICY_INITS.clear()
     standins.GENERATED_PROMPTS.clear()
-    standins.TRAIN_CALLS.clear()
+    standins.TRAIN_CALLS.clear()  # SEGMENTS are kept: resumed responses are made of both runs' segments
     assert run_driver(config) == 0
     (init,) = standins.POLICY_INITS
     assert Path(init["weights_path"]) == step_dir / "policy" / "weights"
     assert Path(init["optimizer_path"]) == step_dir / "policy" / "optimizer"
     assert len(standins.TRAIN_CALLS) == 8  # steps 2 and 3 only
+    # The resumed run's first step trained on the carried groups, with their saved behaviour log-probs.
+    step2 = standins.TRAIN_CALLS[:4]
+    for tokens, behavior in carried:
+        found = False
+        for call in step2:
+            data = call["data"]
+            for i in range(data["input_ids"].shape[0]):
+                if data["input_ids"][i, : len(tokens)].tolist() == tokens:
+                    start = len(tokens) - len(behavior)
+                    got = data["generation_logprobs"][i, start : len(tokens)].tolist()
+                    found = found or got == pytest.approx(behavior, abs=1e-5)
+        assert found, f"carried response {tokens} did not reach the resumed run's loss"
     # A restarted dataloader (same seed) would hand out step 1's prompts again; the resumed one does not.
-    assert standins.GENERATED_PROMPTS[:8] != first_run_prompts
+    prompt_len = min(len(p) for p in first_run_prompts)  # "a+b=?" prompts all have one length
+    first_prompts = [p for p in first_run_prompts if len(p) == prompt_len]
+    fresh = [p for p in standins.GENERATED_PROMPTS if len(p) == prompt_len]
+    assert fresh and fresh[: len(first_prompts)] != first_prompts[: len(fresh)]
+    # Responses sampled in several iterations reach the loss with each segment's own log-probs.
+    assert count_spanning_rows(run1_calls + standins.TRAIN_CALLS, standins.SEGMENTS) >= 1
     assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
 
     client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
@@ -365,3 +393,30 @@ def test_sigusr1_checkpoints_and_the_same_command_resumes(tmp_path, ray_head, st
     assert len(runs) == 1  # the resumed job logged into the same run
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
     assert steps == [1, 2, 3]
+
+
+
+def count_spanning_rows(train_calls, segments) -> int:
+    """Rows of the loss's data whose response was sampled in 2+ iterations (segments); on the way, every
+    segment found in a row must have reached the loss with its own behaviour log-probs, unmasked."""
+    spanning = 0
+    for call in train_calls:
+        data = call["data"]
+        for i in range(data["input_ids"].shape[0]):
+            ids = data["input_ids"][i].tolist()
+            # The segments this row's response is made of: context and tokens match the row; where one
+            # prompt recurs, the candidate whose log-probs the loss received (the check itself).
+            by_range: dict[tuple[int, int], list] = {}
+            for seg in segments:
+                start, end = len(seg["context"]), len(seg["context"]) + len(seg["tokens"])
+                if seg["tokens"] and ids[:start] == seg["context"] and ids[start:end] == seg["tokens"]:
+                    by_range.setdefault((start, end), []).append(seg)
+            picked = 0
+            for (start, end), candidates in by_range.items():
+                received = data["generation_logprobs"][i, start:end].tolist()
+                matching = [c for c in candidates if c["logprobs"] == pytest.approx(received, abs=1e-5)]
+                assert matching, f"row {i}: tokens {start}:{end} reached the loss with other log-probs"
+                assert data["token_mask"][i, start:end].tolist() == [1] * (end - start)
+                picked += 1
+            spanning += picked >= 2
+    return spanning
