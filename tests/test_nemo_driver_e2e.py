@@ -85,6 +85,10 @@ def standins(monkeypatch):
 
     from tests import nemo_cpu_standins
 
+    # The driver patches these module names for its job (one job per process in production); put them
+    # back after each in-process run so later tests see grpo's own functions.
+    for name in ("run_multi_turn_rollout", "validate", "TimeoutChecker"):
+        monkeypatch.setattr(grpo, name, getattr(grpo, name))
     monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
     monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
     for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
