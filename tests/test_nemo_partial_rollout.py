@@ -720,3 +720,23 @@ def test_install_on_a_real_master_config():
     raw["partial_rollouts"] = {"token_budget": 128}  # keep without importance-sampling correction
     with pytest.raises(PartialRolloutSetupError, match="loss_fn.use_importance_sampling_correction"):
         install_partial_rollouts(MasterConfig(**raw), patch_grpo=False)
+
+
+@pytest.mark.nemo_rl
+def test_installing_again_replaces_the_previous_wrappers():
+    """A second driver run in one process installs again: its wrappers must wrap grpo's own functions,
+    not the first installation's (two hooks on one batch broke the replay: 16 rows for 8 rollouts)."""
+    from nemo_rl.algorithms import grpo
+
+    originals = grpo.run_multi_turn_rollout, grpo.validate
+    first = install_partial_rollouts(_master_config())
+    try:
+        second = install_partial_rollouts(_master_config())
+        try:
+            assert grpo.run_multi_turn_rollout.__wrapped__ is originals[0]
+            assert grpo.validate.__wrapped__ is originals[1]
+        finally:
+            second.uninstall()
+    finally:
+        first.uninstall()
+    assert (grpo.run_multi_turn_rollout, grpo.validate) == originals

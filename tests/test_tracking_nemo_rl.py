@@ -208,3 +208,26 @@ def test_sqlite_store_on_a_network_filesystem_is_warned_about(tmp_path, monkeypa
     with caplog.at_level("WARNING"):
         prepare_logger_config(v070_config(tmp_path))
     assert "is on lustre" not in caplog.text  # a server: nothing to warn about
+
+
+@pytest.mark.nemo_rl
+def test_resumed_run_keeps_its_params_when_the_config_changes(tmp_path):
+    """v0.7.0's MLflowLogger.log_hyperparams on a resumed run whose config differs (every resume: the
+    driver's log_dir becomes the next exp_NNN): MLflow refuses changed params, so only new keys are
+    logged and the changed ones keep their first value."""
+    import mlflow
+    from nemo_rl.utils.logger import Logger
+
+    config = prepare_logger_config(v070_config(tmp_path))
+    first = Logger(config["logger"])
+    first.log_hyperparams({"logger": {"log_dir": "logs/exp_001"}, "grpo": {"max_num_steps": 3}})
+    run_id = first.loggers[-1].run_id
+    mlflow.end_run()
+    resumed_config = dict(config)
+    resumed_config["logger"] = {**config["logger"], "mlflow": {**config["logger"]["mlflow"], "run_id": run_id}}
+    resumed = Logger(resumed_config["logger"])
+    resumed.log_hyperparams({"logger": {"log_dir": "logs/exp_002"}, "grpo": {"max_num_steps": 3, "seed": 1}})
+    params = MlflowClient(config["logger"]["mlflow"]["tracking_uri"]).get_run(run_id).data.params
+    assert params["logger.log_dir"] == "logs/exp_001"
+    assert params["grpo.seed"] == "1" and params["grpo.max_num_steps"] == "3"
+    mlflow.end_run()

@@ -292,6 +292,7 @@ class PartialRolloutHook:
             )
 
         run_multi_turn_rollout.__wrapped__ = original  # type: ignore[attr-defined]
+        run_multi_turn_rollout._partial_rollout_hook = True  # type: ignore[attr-defined]
         return run_multi_turn_rollout
 
     def make_validate_wrapper(self, original: Callable) -> Callable:
@@ -303,6 +304,7 @@ class PartialRolloutHook:
                 self._in_validation = False
 
         validate.__wrapped__ = original  # type: ignore[attr-defined]
+        validate._partial_rollout_hook = True  # type: ignore[attr-defined]
         return validate
 
     # ---- rollouts --------------------------------------------------------------------------------------
@@ -676,6 +678,10 @@ def install_partial_rollouts(
             ("validate", hook.make_validate_wrapper),
         ):
             original = getattr(grpo_module, name)
+            # A previous installation in this process (a second driver run) is replaced, not wrapped:
+            # wrapping it would run two hooks on one batch.
+            while getattr(original, "_partial_rollout_hook", False):
+                original = original.__wrapped__
             setattr(grpo_module, name, make(original))
             hook._restore.append(lambda name=name, original=original: setattr(grpo_module, name, original))
     return hook

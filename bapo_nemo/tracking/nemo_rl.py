@@ -142,7 +142,11 @@ def prepare_logger_config(master_config: dict) -> dict:
 
 
 def _redact_nemo_rl_hyperparams() -> None:
-    """Wrap v0.7.0's ``MLflowLogger.log_hyperparams`` so the config it logs has secrets redacted."""
+    """Wrap v0.7.0's ``MLflowLogger.log_hyperparams``: secrets redacted, and a resumed run keeps its params.
+
+    MLflow refuses to change a logged param, and a resumed job's config always differs somewhere
+    (``logger.log_dir`` becomes the next ``exp_NNN``), so v0.7.0's call would fail on every resume: only
+    the keys the run does not have yet are logged; changed values keep their first value, with a warning."""
     try:
         from nemo_rl.utils import logger as nemo_logger_module
     except (ImportError, RuntimeError):  # not in the container (RuntimeError: transformer-engine without CUDA)
@@ -153,7 +157,17 @@ def _redact_nemo_rl_hyperparams() -> None:
     original = cls.log_hyperparams
 
     def log_hyperparams(self, params):
-        return original(self, redact_nested(params))
+        flat = nemo_logger_module.flatten_dict(redact_nested(params))  # what v0.7.0 logs (logger.py:913)
+        import mlflow  # the tracking URI is the one v0.7.0's MLflowLogger set
+
+        logged = mlflow.get_run(self.run_id).data.params if self.run_id else {}
+        changed = sorted(k for k in flat if k in logged and str(flat[k])[:6000] != logged[k])
+        if changed:
+            log.warning("resumed MLflow run %s keeps its first values for %d changed params: %s",
+                        self.run_id, len(changed), ", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""))
+        fresh = {k: v for k, v in flat.items() if k not in logged}
+        if fresh:
+            original(self, fresh)  # flat keys flatten to themselves
 
     log_hyperparams._bapo_redacting = True
     cls.log_hyperparams = log_hyperparams

@@ -1,0 +1,426 @@
+"""`python -m bapo_nemo.train` end to end on CPU: NeMo-RL v0.7.0's real setup() and GRPO loop.
+
+Real: Ray (a local head with logical GPUs so the placement groups schedule), data processing, the math
+environment's Ray actors, the advantage estimator, the Logger writing to MLflow (sqlite), the
+CheckpointManager, BAPOLossFn. Faked, at the GPU boundary only: the policy's training workers and the
+vLLM generator (tests/nemo_cpu_standins.py). The driver runs in this process (`driver.main(argv)`), so
+the stand-ins are put in place by replacing `nemo_rl.algorithms.grpo.Policy` / `.VllmGeneration`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.nemo_rl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A private Ray head (2 logical CPUs' worth of actors, 1 logical GPU), stopped with the module.
+
+    `ray start --block` keeps the head's processes as its children: terminating it stops exactly them.
+    NeMo-RL's init_ray() joins it through RAY_ADDRESS (an externally managed cluster is reused)."""
+    import ray
+
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+            "--num-cpus=4", "--num-gpus=1", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    deadline = time.time() + 90
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False)
+            ray.shutdown()
+            break
+        except (ConnectionError, RuntimeError, TimeoutError):  # not up yet
+            if time.time() > deadline or proc.poll() is not None:
+                proc.terminate()
+                raise RuntimeError(f"the Ray head at {address} did not start") from None
+            time.sleep(1)
+    yield address
+    if ray.is_initialized():
+        ray.shutdown()
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if previous is None:
+        os.environ.pop("RAY_ADDRESS", None)
+    else:
+        os.environ["RAY_ADDRESS"] = previous
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    """The GPU worker groups replaced at setup()'s boundary; the record of every loss call."""
+    from nemo_rl.algorithms import grpo
+
+    from tests import nemo_cpu_standins
+
+    # The driver patches these module names for its job (one job per process in production); put them
+    # back after each in-process run so later tests see grpo's own functions.
+    for name in ("run_multi_turn_rollout", "validate", "TimeoutChecker"):
+        monkeypatch.setattr(grpo, name, getattr(grpo, name))
+    monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
+    monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
+    for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
+                   nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN,
+                   nemo_cpu_standins.SEGMENTS):
+        record.clear()
+    nemo_cpu_standins._REFIT.clear()
+    yield nemo_cpu_standins
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from tests.nemo_cpu_standins import write_math_jsonl, write_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "model": write_tiny_model(root / "tiny_qwen2"),
+        "train": write_math_jsonl(root / "train.jsonl", 64),
+        # One store for the module, an experiment per test: MLflow's fluent API in one process does not
+        # follow a second sqlite URI (v0.7.0's MLflowLogger then creates its run in the first store).
+        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
+    }
+
+
+def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", **extra) -> Path:
+    """configs/bapo_7b.yaml shrunk to a tiny CPU run: 2 prompts x 4 samples, 2 optimizer steps per
+    rollout batch (train_global_batch_size 4), micro-batches of 2; DTensor-shaped policy keys."""
+    model = str(assets["model"])
+    config = {
+        "defaults": str(REPO / "configs" / "bapo_7b.yaml"),
+        "grpo": {
+            "num_prompts_per_step": 2,
+            "num_generations_per_prompt": 4,
+            "max_num_steps": 2,
+            "val_period": 0,
+            "val_at_start": False,
+            "val_at_end": False,
+            "seed": 7,
+        },
+        "loss_fn": {"bapo": {"granularity": granularity}},
+        "checkpointing": {
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "save_period": 1,
+            "metric_name": None,
+        },
+        "policy": {
+            "model_name": model,
+            "tokenizer": {"name": model},
+            "train_global_batch_size": 4,
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 2,
+            "generation_batch_size": 8,
+            "max_total_sequence_length": 32,
+            "precision": "float32",
+            "megatron_cfg": {"enabled": False},
+            "dtensor_cfg": {
+                "enabled": True, "_v2": False, "cpu_offload": False, "sequence_parallel": False,
+                "activation_checkpointing": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
+                "custom_parallel_plan": None,
+            },
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1.0e-3}},
+            "sequence_packing": {"enabled": False},
+            "make_sequence_length_divisible_by": 1,
+            "generation": {
+                "max_new_tokens": 6,
+                "vllm_cfg": {"precision": "bfloat16", "tensor_parallel_size": 1, "max_model_len": 32},
+            },
+        },
+        "data": {
+            "max_input_seq_length": 16,
+            "num_workers": 0,
+            "train": {
+                "dataset_name": "ResponseDataset", "data_path": str(assets["train"]),
+                "input_key": "input", "output_key": "output", "prompt_file": None,
+            },
+            "validation": None,
+        },
+        "env": {"math": {"num_workers": 1}},
+        "logger": {
+            "log_dir": str(tmp_path / "logs"),
+            "monitor_gpus": False,
+            "mlflow": {"tracking_uri": assets["mlflow"], "experiment_name": tmp_path.name},
+        },
+        "cluster": {"gpus_per_node": 1, "num_nodes": 1},
+    }
+    _merge(config, extra)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def run_driver(config: Path, *overrides: str) -> int:
+    import ray
+
+    from bapo_nemo.nemo.driver import main
+
+    try:
+        return main(["--config", str(config), *overrides])
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.mark.parametrize("granularity", ["microbatch", "step"])
+def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
+    tmp_path, ray_head, standins, tiny_assets, granularity
+):
+    """Every loss call clipped with the bounds search_clip_bounds gives on the data the loss saw
+    (microbatch: that micro-batch; step: the whole optimizer step's batch), and the BAPO metrics reach
+    the MLflow run NeMo-RL's Logger writes."""
+    import torch
+
+    from bapo_nemo.algorithm import search_clip_bounds
+    from bapo_nemo.algorithm.bapo import importance_ratio
+    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
+
+    config = tiny_config(tmp_path, tiny_assets, granularity)
+    assert run_driver(config) == 0
+
+    calls = standins.TRAIN_CALLS
+    # 2 GRPO steps x (8 samples / 4 per optimizer step) x (4 / 2 per micro-batch) = 8 loss calls.
+    assert len(calls) == 8
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
+
+    cfg = yaml.safe_load(config.read_text())
+    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
+    _merge(base, cfg["loss_fn"])
+    options = bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
+
+    def inputs(call):
+        data = call["data"]
+        mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+        ratio = importance_ratio(call["logprobs"], data["generation_logprobs"][:, 1:])
+        return ratio, data["advantages"][:, 1:], mask
+
+    def used_bounds(call):
+        m, data = call["metrics"], call["data"]
+        n_local = float((data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
+        scale = call["global_valid_toks"] / n_local
+        return m["bapo/c_low"] * scale, m["bapo/c_high"] * scale
+
+    groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
+    for group in groups:
+        if granularity == "microbatch":
+            expected = [search_clip_bounds(*inputs(c), options) for c in group]
+        else:
+            parts = [inputs(c) for c in group]
+            whole = search_clip_bounds(*(torch.cat([p[i] for p in parts]) for i in range(3)), options)
+            expected = [whole, whole]
+        for call, want in zip(group, expected):
+            got = used_bounds(call)
+            assert got == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+        if granularity == "step":
+            assert used_bounds(group[0]) == pytest.approx(used_bounds(group[1]), abs=1e-9)
+
+    # The MLflow run NeMo-RL's Logger wrote carries the BAPO metrics for both steps.
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/bapo/c_high")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
+    assert run.data.tags.get("bapo.runtime") == "nemo_rl"
+
+
+@pytest.fixture
+def ray_must_not_start(monkeypatch):
+    """Bad input must fail before Ray starts: starting it fails the test."""
+    from nemo_rl.distributed import virtual_cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver started Ray before rejecting the config")
+
+    monkeypatch.setattr(virtual_cluster, "init_ray", refuse)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ({"grpo": {"num_prompt_per_step": 2}}, ["grpo.num_prompt_per_step"]),
+        ({"loss_fn": {"bapo": {"rho0": 1.5}}}, ["loss_fn.bapo", "rho0"]),
+        ({"loss_fn": {"force_on_policy_ratio": True}}, ["force_on_policy_ratio", "false"]),
+    ],
+    ids=["unknown-key", "invalid-bapo-value", "bapo-with-force-on-policy-ratio"],
+)
+def test_bad_input_is_one_clear_error_before_ray_starts(
+    tmp_path, tiny_assets, ray_must_not_start, extra, needles
+):
+    from bapo_nemo.nemo.driver import main
+
+    config = tiny_config(tmp_path, tiny_assets, **extra)
+    with pytest.raises((ValueError, SystemExit)) as info:
+        main(["--config", str(config)])
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, tiny_assets):
+    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 1 -> checkpoint
+    step_1 and exit; the same command resumes at step 2 with the in-flight segments, the saved weights
+    and optimizer, the dataloader's position and the same MLflow run. Responses sampled over several
+    steps reach the loss with each token's own behaviour log-prob. The checkpoint carries the parity
+    recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
+    import json
+    import signal
+
+    import mlflow
+    import torch
+
+    from bapo_nemo.export.parity import read_reference_logprobs
+    from bapo_nemo.nemo import stop_signal
+
+    config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
+                         checkpointing={"save_period": 100},
+                         partial_rollouts={"token_budget": 2, "max_resumptions": 4, "stale_segments": "keep"})
+    sent = []
+
+    def signal_during_first_step():
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    standins.ON_TRAIN.append(signal_during_first_step)
+    previous_handler = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert run_driver(config) == 0
+    finally:
+        stop_signal._requested.clear()
+        signal.signal(signal.SIGUSR1, previous_handler)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_1"]
+    assert len(standins.TRAIN_CALLS) == 4  # one GRPO step's loss calls, then the driver returned
+    first_run_prompts = list(standins.GENERATED_PROMPTS)
+    assert all(len(s["tokens"]) <= 2 for s in standins.SEGMENTS)  # the budget reached the generator
+    # The hook's state went into the checkpoint: groups sampled but not yet trained (the prefilled
+    # batch's), with each response's tokens and behaviour log-probs.
+    state = json.loads((ckpt / "step_1" / "partial_rollouts.json").read_text())["manager"]
+    carried = [(g["prompt_token_ids"] + s["response_token_ids"], s["behavior_logprobs"])
+               for key in ("pending", "active", "completed") for g in state[key] for s in g["sequences"]]
+    assert carried
+    run1_calls = list(standins.TRAIN_CALLS)
+
+    # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
+    step_dir = ckpt / "step_1"
+    reference = read_reference_logprobs(step_dir)
+    assert reference is not None
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(step_dir / "policy" / "weights", dtype=torch.float32).eval()
+    for seq, row in zip(reference["sequences"], reference["logprobs"]):
+        with torch.no_grad():
+            lp = torch.log_softmax(saved(input_ids=torch.tensor([seq])).logits[0, :-1].float(), -1)
+        want = lp.gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(row), want, atol=1e-5)
+
+    # bapo-nemo export accepts the checkpoint's layout and says what it needs that CPU cannot give.
+    out = subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", "export", str(step_dir), "--out", str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
+
+    # The same command again: resumes at step 2.
+    standins.POLICY_INITS.clear()
+    standins.GENERATED_PROMPTS.clear()
+    standins.TRAIN_CALLS.clear()  # SEGMENTS are kept: resumed responses are made of both runs' segments
+    assert run_driver(config) == 0
+    (init,) = standins.POLICY_INITS
+    assert Path(init["weights_path"]) == step_dir / "policy" / "weights"
+    assert Path(init["optimizer_path"]) == step_dir / "policy" / "optimizer"
+    assert len(standins.TRAIN_CALLS) == 8  # steps 2 and 3 only
+    # The resumed run's first step trained on the carried groups, with their saved behaviour log-probs.
+    step2 = standins.TRAIN_CALLS[:4]
+    for tokens, behavior in carried:
+        found = False
+        for call in step2:
+            data = call["data"]
+            for i in range(data["input_ids"].shape[0]):
+                if data["input_ids"][i, : len(tokens)].tolist() == tokens:
+                    start = len(tokens) - len(behavior)
+                    got = data["generation_logprobs"][i, start : len(tokens)].tolist()
+                    found = found or got == pytest.approx(behavior, abs=1e-5)
+        assert found, f"carried response {tokens} did not reach the resumed run's loss"
+    # A restarted dataloader (same seed) would hand out step 1's prompts again; the resumed one does not.
+    prompt_len = min(len(p) for p in first_run_prompts)  # "a+b=?" prompts all have one length
+    first_prompts = [p for p in first_run_prompts if len(p) == prompt_len]
+    fresh = [p for p in standins.GENERATED_PROMPTS if len(p) == prompt_len]
+    assert fresh and fresh[: len(first_prompts)] != first_prompts[: len(fresh)]
+    # Responses sampled in several iterations reach the loss with each segment's own log-probs.
+    assert count_spanning_rows(run1_calls + standins.TRAIN_CALLS, standins.SEGMENTS) >= 1
+    assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
+
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    runs = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
+    assert len(runs) == 1  # the resumed job logged into the same run
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
+    assert steps == [1, 2, 3]
+
+
+
+def count_spanning_rows(train_calls, segments) -> int:
+    """Rows of the loss's data whose response was sampled in 2+ iterations (segments); on the way, every
+    segment found in a row must have reached the loss with its own behaviour log-probs, unmasked."""
+    spanning = 0
+    for call in train_calls:
+        data = call["data"]
+        for i in range(data["input_ids"].shape[0]):
+            ids = data["input_ids"][i].tolist()
+            # The segments this row's response is made of: context and tokens match the row; where one
+            # prompt recurs, the candidate whose log-probs the loss received (the check itself).
+            by_range: dict[tuple[int, int], list] = {}
+            for seg in segments:
+                start, end = len(seg["context"]), len(seg["context"]) + len(seg["tokens"])
+                if seg["tokens"] and ids[:start] == seg["context"] and ids[start:end] == seg["tokens"]:
+                    by_range.setdefault((start, end), []).append(seg)
+            picked = 0
+            for (start, end), candidates in by_range.items():
+                received = data["generation_logprobs"][i, start:end].tolist()
+                matching = [c for c in candidates if c["logprobs"] == pytest.approx(received, abs=1e-5)]
+                assert matching, f"row {i}: tokens {start}:{end} reached the loss with other log-probs"
+                assert data["token_mask"][i, start:end].tolist() == [1] * (end - start)
+                picked += 1
+            spanning += picked >= 2
+    return spanning
