@@ -263,6 +263,17 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert run.data.tags.get("bapo.runtime") == "nemo_rl"
 
 
+def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
+    """The cluster configs' BAPO block (configs/bapo_7b.yaml, inherited by both 32B configs) is what the
+    bounds test above runs with a tiny model: its granularity must be one of the modes it runs, so the
+    cluster default never goes untested here."""
+    shipped = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]["bapo"]["granularity"]
+    for name in ("bapo_32b.yaml", "bapo_32b_64k.yaml"):  # they inherit the 7B block unless they override it
+        block = (yaml.safe_load((REPO / "configs" / name).read_text()).get("loss_fn") or {}).get("bapo") or {}
+        assert block.get("granularity", shipped) in ("microbatch", "step"), name
+    assert shipped == "step"  # chosen in docs/nemo_rl.md ("How many responses one search sees")
+
+
 @pytest.fixture
 def ray_must_not_start(monkeypatch):
     """Bad input must fail before Ray starts: starting it fails the test."""

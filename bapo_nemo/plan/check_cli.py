@@ -250,7 +250,7 @@ def main(args) -> int:
         console.print(
             f"granularity step: {cost.extra_passes} extra no-grad log-prob pass(es) per rollout batch, "
             f"{cost.extra_pflops:.0f} PFLOPs = {cost.share_of_training:.1%} of the training compute "
-            f"(<= {cost.share_of_step:.1%} of the step with generation)"
+            f"(<= {cost.share_of_step:.1%} of the step with generation); the LR scheduler ticks per optimizer step"
         )
     if findings:
         table = Table(title="findings")
