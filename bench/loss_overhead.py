@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, clipped_policy_loss, fused_cpu, search_clip_bounds
+from bapo_nemo.algorithm import (
+    BAPOConfig,
+    bapo_policy_loss,
+    clipped_policy_loss,
+    fused_cpu,
+    search_clip_bounds,
+)
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from hypothesis import settings  # noqa: E402
+from hypothesis import settings
 
 # CI explores a fixed set of examples (the same on every run), so a landing never hinges on a random
 # draw; developers' runs keep exploring new ones.

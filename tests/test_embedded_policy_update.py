@@ -5,6 +5,7 @@ forwards. Real tiny Qwen2, real AdamW."""
 from __future__ import annotations
 
 import copy
+
 import torch
 
 from bapo_nemo.embedded.config import LossConfig, ModelConfig

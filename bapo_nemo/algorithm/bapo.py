@@ -14,8 +14,8 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

@@ -85,7 +85,7 @@ class BAPOConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _ranges_not_empty(self) -> "BAPOConfig":
+    def _ranges_not_empty(self) -> BAPOConfig:
         if not (0.0 < self.c_low_min <= self.c_low_max < 1.0):
             raise ValueError(
                 f"c_low range [c_low_min={self.c_low_min}, c_low_max={self.c_low_max}] must satisfy "
@@ -126,7 +126,7 @@ class BAPOConfig(BaseModel):
         eps: float = 1e-8,
         clip_ratio_c: float | None = 3.0,
         **overrides,
-    ) -> "BAPOConfig":
+    ) -> BAPOConfig:
         """Build the config that reproduces the authors' verl recipe (`recipe/bapo/policy_loss.py`); the
         arguments are that recipe's names and YAML defaults. Its P/N target q is our share q / (1 + q)."""
         fields = dict(
@@ -145,7 +145,7 @@ class BAPOConfig(BaseModel):
         return cls(**(fields | overrides))
 
     @classmethod
-    def parse(cls, data: dict | None, where: str = "bapo") -> "BAPOConfig":
+    def parse(cls, data: dict | None, where: str = "bapo") -> BAPOConfig:
         """Validate a user dict (e.g. the `bapo:` block of a YAML file) with errors that name the key."""
         try:
             return cls.model_validate(data or {})

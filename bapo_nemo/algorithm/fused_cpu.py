@@ -75,7 +75,7 @@ if numba is not None:
                     sum_log += log_ratio[i, j]
                 else:
                     log_r = math.log(rv)  # -inf for r = 0, NaN for NaN
-                    sum_log += -100.0 if log_r < -100.0 else log_r  # not max(): NaN must stay NaN
+                    sum_log += -100.0 if log_r < -100.0 else log_r  # noqa: FURB136 -- not max(): NaN must stay NaN
         totals[0] += sum_r
         totals[1] += sum_log
 

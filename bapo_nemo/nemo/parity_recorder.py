@@ -11,7 +11,8 @@ Cost per checkpoint: one `policy.get_logprobs` call on a handful of short sequen
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
