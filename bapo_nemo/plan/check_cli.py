@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,13 @@ from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, value
 from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.signal_lead import lead_warning, shipped_sbatch, signal_line
+from bapo_nemo.plan.step_time import (
+    DEFAULT_FS_WRITE_GBPS_PER_NODE,
+    StepTimeEstimate,
+    estimate_step_time,
+    shape_from_config,
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +49,51 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "(default: the current one; slurm/bapo_32b.sbatch runs in the checkout, BAPO_REPO)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    parser.add_argument(
+        "--fs-write-gbps",
+        type=float,
+        default=DEFAULT_FS_WRITE_GBPS_PER_NODE,
+        help="write bandwidth of each node to the checkpoint filesystem, GB/s (sizes the save time)",
+    )
+    parser.add_argument(
+        "--sbatch",
+        default=None,
+        help="batch script whose --signal lead is compared with the estimate (default: slurm/<config "
+        "name>.sbatch, else slurm/bapo_32b.sbatch)",
+    )
+
+
+def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, list[Finding]]:
+    """Step and save time, and the signal lead they ask for against the batch script's."""
+    if plan is None:
+        return None, []
+    try:
+        model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None, []  # run_check reported it
+    if args.fs_write_gbps <= 0:
+        return None, [Finding("error", "--fs-write-gbps", "must be a positive bandwidth in GB/s, e.g. 1.0")]
+    shape = shape_from_config(config, plan.train_gpus, plan.generation_gpus)
+    est = estimate_step_time(
+        model, shape, args.gpu, GPU_CAPACITY_GB[args.gpu] * GB, args.nodes, args.fs_write_gbps
+    )
+    sbatch = Path(args.sbatch) if args.sbatch else shipped_sbatch(args.config)
+    if sbatch is None or not sbatch.is_file():
+        if args.sbatch:
+            return est, [Finding("error", "--sbatch", f"{args.sbatch} not found: pass an existing batch script")]
+        return est, []
+    signal = signal_line(sbatch)
+    if signal is None:
+        return est, [
+            Finding(
+                "warning",
+                "#SBATCH --signal",
+                f"{sbatch} has no `#SBATCH --signal=B:USR1@SECONDS` line: add one with at least "
+                f"{est.recommended_lead_s} seconds",
+            )
+        ]
+    message = lead_warning(signal, est.recommended_lead_s)
+    return est, [] if message is None else [Finding("warning", "#SBATCH --signal", message)]
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
@@ -81,10 +134,12 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
 def main(args) -> int:
     console = Console(width=130)
     try:
-        _, findings, mem, plan = run_check(args)
+        config, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
+    step_time, lead_findings = step_time_check(args, config, plan)
+    findings = findings + lead_findings
     errors = [x for x in findings if x.level == "error"]
     if args.json:
         print(
@@ -103,6 +158,18 @@ def main(args) -> int:
                         "capacity": mem.capacity / GB,
                         "margin": mem.margin / GB,
                         "fits": mem.fits,
+                    },
+                    "step_time_s": None
+                    if step_time is None
+                    else {
+                        "generation": step_time.generation_s,
+                        "logprob_passes": step_time.logprob_s,
+                        "training": step_time.train_s,
+                        "step": step_time.step_s,
+                        "validation": step_time.validation_s,
+                        "save": step_time.save_s,
+                        "margin": step_time.margin_s,
+                        "recommended_signal_lead": step_time.recommended_lead_s,
                     },
                 },
                 indent=2,
@@ -137,6 +204,19 @@ def main(args) -> int:
         verdict = "[green]FITS[/]" if mem.fits else "[red]DOES NOT FIT[/]"
         table.add_row(f"{verdict} in {mem.capacity / GB:.0f} GB", f"margin {mem.margin / GB:.1f}")
         console.print(table)
+    if step_time is not None:
+        console.print(
+            f"estimated step time (every sample at max_total_sequence_length; a planning figure): "
+            f"{step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob passes "
+            f"{step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
+            f"{step_time.validation_s:.0f}s; checkpoint save {step_time.save_s:.0f}s at "
+            f"{args.fs_write_gbps:g} GB/s per node"
+        )
+        console.print(
+            f"recommended signal lead: {step_time.recommended_lead_s}s (step + validation + save + "
+            f"{step_time.margin_s:.0f}s margin, rounded up to a minute): "
+            f"sbatch --signal=B:USR1@{step_time.recommended_lead_s}"
+        )
     if findings:
         table = Table(title="findings")
         table.add_column("level")
