@@ -80,7 +80,8 @@ def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, 
     sbatch = Path(args.sbatch) if args.sbatch else shipped_sbatch(args.config)
     if sbatch is None or not sbatch.is_file():
         if args.sbatch:
-            return est, [Finding("error", "--sbatch", f"{args.sbatch} not found: pass an existing batch script")]
+            missing = f"{args.sbatch} not found: pass an existing batch script"
+            return est, [Finding("error", "--sbatch", missing)]
         return est, []
     signal = signal_line(sbatch)
     if signal is None:

@@ -114,7 +114,7 @@ def shape_from_config(config: dict, train_gpus: int, generation_gpus: int, fill:
     megatron = bool(get(config, "policy.megatron_cfg.enabled", False))
     prefix = "policy.megatron_cfg" if megatron else "policy.dtensor_cfg"
     vllm = "policy.generation.vllm_cfg"
-    val_period = int(get(config, "grpo.val_period", 0) or 0)
+    val_period = int(get(config, "grpo.val_period", 10) or 0)  # v0.7.0 default 10
     return StepShape(
         samples=samples,
         tokens_per_sample=fill * int(get(config, "policy.max_total_sequence_length", 512)),
@@ -127,8 +127,12 @@ def shape_from_config(config: dict, train_gpus: int, generation_gpus: int, fill:
         generation_gpus=generation_gpus or train_gpus,
         engine_gpus=int(get(config, f"{vllm}.tensor_parallel_size", 1))
         * int(get(config, f"{vllm}.pipeline_parallel_size", 1)),
-        generation_weight_bytes_per_param=1.0 if get(config, f"{vllm}.precision", "bfloat16") == "fp8" else 2.0,
-        kv_bytes_per_element=1.0 if str(get(config, f"{vllm}.kv_cache_dtype", "auto")).startswith("fp8") else 2.0,
+        generation_weight_bytes_per_param=1.0
+        if get(config, f"{vllm}.precision", "bfloat16") == "fp8"
+        else 2.0,
+        kv_bytes_per_element=1.0
+        if str(get(config, f"{vllm}.kv_cache_dtype", "auto")).startswith("fp8")
+        else 2.0,
         gpu_memory_utilization=float(get(config, f"{vllm}.gpu_memory_utilization", 0.6)),
         save_bytes_per_param=14.0 if bool(get(config, "checkpointing.save_optimizer", True)) else 2.0,
         validation_samples=int(get(config, "grpo.max_val_samples", 256) or 0) if val_period > 0 else 0,
@@ -141,7 +145,9 @@ def attention_forward_flops_per_token(model: ModelShape, seq_tokens: float) -> f
     return 2.0 * model.num_layers * model.q_dim * seq_tokens
 
 
-def generation_seconds(model: ModelShape, shape: StepShape, samples: int, gpu: str, capacity_bytes: float) -> float:
+def generation_seconds(
+    model: ModelShape, shape: StepShape, samples: int, gpu: str, capacity_bytes: float
+) -> float:
     if samples <= 0:
         return 0.0
     n = model.num_parameters()
@@ -175,7 +181,12 @@ def estimate_step_time(
     n = model.num_parameters()
     tokens = shape.samples * shape.tokens_per_sample
     forward_flops = tokens * (2.0 * n + attention_forward_flops_per_token(model, shape.tokens_per_sample))
-    train_rate = shape.train_gpus * GPU_PEAK_BF16_FLOPS[gpu] * TRAIN_MFU * (FP8_TRAIN_SPEEDUP if shape.fp8_train else 1)
+    train_rate = (
+        shape.train_gpus
+        * GPU_PEAK_BF16_FLOPS[gpu]
+        * TRAIN_MFU
+        * (FP8_TRAIN_SPEEDUP if shape.fp8_train else 1)
+    )
     train_passes = 4 if shape.activation_recompute else 3  # forward + backward (2x) [+ recomputed forward]
     return StepTimeEstimate(
         generation_s=generation_seconds(model, shape, shape.samples, gpu, capacity_bytes),
