@@ -254,3 +254,15 @@ def test_check_save_time_follows_the_bandwidth_flag(capsys):
     assert fast["step_time_s"]["save"] == pytest.approx(slow["step_time_s"]["save"] / 4)
     rc, bad = _check(capsys, *args, "--fs-write-gbps", "0")
     assert rc == 1 and any(f["key"] == "--fs-write-gbps" for f in bad["findings"])
+
+
+def test_check_mean_length_share_scales_the_passes(capsys):
+    """Log-prob and training FLOPs are per token: half the mean length at least halves them (attention
+    grows with the length too, so more than half)."""
+    args = (str(CONFIGS / "bapo_32b.yaml"), "--nodes", "8", "--gpus-per-node", "8")
+    _, full = _check(capsys, *args)
+    _, half = _check(capsys, *args, "--mean-length-share", "0.5")
+    assert half["step_time_s"]["training"] < full["step_time_s"]["training"] / 2
+    assert half["step_time_s"]["generation"] < full["step_time_s"]["generation"]
+    rc, bad = _check(capsys, *args, "--mean-length-share", "1.5")
+    assert rc == 1 and any(f["key"] == "--mean-length-share" for f in bad["findings"])

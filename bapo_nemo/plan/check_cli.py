@@ -56,6 +56,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="write bandwidth of each node to the checkpoint filesystem, GB/s (sizes the save time)",
     )
     parser.add_argument(
+        "--mean-length-share",
+        type=float,
+        default=1.0,
+        help="mean sample length (prompt + response) as a share of policy.max_total_sequence_length for "
+        "the step-time estimate (default 1: every sample at full length, the longest step)",
+    )
+    parser.add_argument(
         "--sbatch",
         default=None,
         help="batch script whose --signal lead is compared with the estimate (default: slurm/<config "
@@ -73,7 +80,9 @@ def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, 
         return None, []  # run_check reported it
     if args.fs_write_gbps <= 0:
         return None, [Finding("error", "--fs-write-gbps", "must be a positive bandwidth in GB/s, e.g. 1.0")]
-    shape = shape_from_config(config, plan.train_gpus, plan.generation_gpus)
+    if not 0 < args.mean_length_share <= 1:
+        return None, [Finding("error", "--mean-length-share", "must be in (0, 1], e.g. 0.5")]
+    shape = shape_from_config(config, plan.train_gpus, plan.generation_gpus, args.mean_length_share)
     est = estimate_step_time(
         model, shape, args.gpu, GPU_CAPACITY_GB[args.gpu] * GB, args.nodes, args.fs_write_gbps
     )
@@ -207,7 +216,8 @@ def main(args) -> int:
         console.print(table)
     if step_time is not None:
         console.print(
-            f"estimated step time (every sample at max_total_sequence_length; a planning figure): "
+            f"estimated step time (mean sample at {args.mean_length_share:g} x max_total_sequence_length; "
+            "a planning figure): "
             f"{step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob passes "
             f"{step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
             f"{step_time.validation_s:.0f}s; checkpoint save {step_time.save_s:.0f}s at "
