@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -28,6 +29,13 @@ from bapo_nemo.plan.search_stats import (
     LengthModel,
     LengthModelError,
     read_lengths,
+)
+from bapo_nemo.plan.signal_lead import lead_warning, shipped_sbatch, signal_line
+from bapo_nemo.plan.step_time import (
+    DEFAULT_FS_WRITE_GBPS_PER_NODE,
+    StepTimeEstimate,
+    estimate_step_time,
+    shape_from_config,
 )
 
 
@@ -82,7 +90,26 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="A,B",
         help="per-prompt pass rate ~ Beta(A, B) (decides the advantage signs)",
     )
-
+    parser.add_argument(
+        "--fs-write-gbps",
+        type=float,
+        default=DEFAULT_FS_WRITE_GBPS_PER_NODE,
+        help="write bandwidth of each node to the checkpoint filesystem, GB/s (sizes the save time)",
+    )
+    parser.add_argument(
+        "--mean-length-share",
+        type=float,
+        default=0.5,
+        help="mean sample length (prompt + response) as a share of policy.max_total_sequence_length for "
+        "the step-time estimate (default 0.5: long chain-of-thought math averages about a third of the "
+        "budget, see --response-length-median; 1 = every sample at full length, the longest step)",
+    )
+    parser.add_argument(
+        "--sbatch",
+        default=None,
+        help="batch script whose --signal lead is compared with the estimate (default: slurm/<config "
+        "name>.sbatch, else slurm/bapo_32b.sbatch)",
+    )
 
 def length_options(args) -> tuple[LengthModel, int, tuple[float, float]] | Finding:
     """The response-length model, prompt length and pass-rate prior from the command line, or the
@@ -140,6 +167,42 @@ def _positive_int(text: str) -> int:
     return number
 
 
+def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, list[Finding]]:
+    """Step and save time, and the signal lead they ask for against the batch script's."""
+    if plan is None:
+        return None, []
+    try:
+        model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None, []  # run_check reported it
+    if args.fs_write_gbps <= 0:
+        return None, [Finding("error", "--fs-write-gbps", "must be a positive bandwidth in GB/s, e.g. 1.0")]
+    if not 0 < args.mean_length_share <= 1:
+        return None, [Finding("error", "--mean-length-share", "must be in (0, 1], e.g. 0.5")]
+    shape = shape_from_config(config, plan.train_gpus, plan.generation_gpus, args.mean_length_share)
+    est = estimate_step_time(
+        model, shape, args.gpu, GPU_CAPACITY_GB[args.gpu] * GB, args.nodes, args.fs_write_gbps
+    )
+    sbatch = Path(args.sbatch) if args.sbatch else shipped_sbatch(args.config)
+    if sbatch is None or not sbatch.is_file():
+        if args.sbatch:
+            missing = f"{args.sbatch} not found: pass an existing batch script"
+            return est, [Finding("error", "--sbatch", missing)]
+        return est, []
+    signal = signal_line(sbatch)
+    if signal is None:
+        return est, [
+            Finding(
+                "warning",
+                "#SBATCH --signal",
+                f"{sbatch} has no `#SBATCH --signal=B:USR1@SECONDS` line: add one with at least "
+                f"{est.recommended_lead_s} seconds",
+            )
+        ]
+    message = lead_warning(signal, est.recommended_lead_s)
+    return est, [] if message is None else [Finding("warning", "#SBATCH --signal", message)]
+
+
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
     config = load_nemo_config(args.config, args.overrides)
     plan, findings = plan_cluster(config, args.nodes, args.gpus_per_node)
@@ -183,6 +246,8 @@ def main(args) -> int:
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
+    step_time, lead_findings = step_time_check(args, config, plan)
+    findings = findings + lead_findings
     errors = [x for x in findings if x.level == "error"]
     stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
     cost = step_cost(args, config, plan)
@@ -206,6 +271,18 @@ def main(args) -> int:
                     },
                     "bound_search": None if stats is None else stats.__dict__,
                     "step_granularity_cost": None if cost is None else cost.__dict__,
+                    "step_time_s": None
+                    if step_time is None
+                    else {
+                        "generation": step_time.generation_s,
+                        "logprob_passes": step_time.logprob_s,
+                        "training": step_time.train_s,
+                        "step": step_time.step_s,
+                        "validation": step_time.validation_s,
+                        "save": step_time.save_s,
+                        "margin": step_time.margin_s,
+                        "recommended_signal_lead": step_time.recommended_lead_s,
+                    },
                 },
                 indent=2,
             )
@@ -251,6 +328,20 @@ def main(args) -> int:
             f"granularity step: {cost.extra_passes} extra no-grad log-prob pass(es) per rollout batch, "
             f"{cost.extra_pflops:.0f} PFLOPs = {cost.share_of_training:.1%} of the training compute "
             f"(<= {cost.share_of_step:.1%} of the step with generation); the LR scheduler ticks per optimizer step"
+        )
+    if step_time is not None:
+        console.print(
+            f"estimated step time (mean sample at {args.mean_length_share:g} x max_total_sequence_length; "
+            "a planning figure): "
+            f"{step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob passes "
+            f"{step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
+            f"{step_time.validation_s:.0f}s; checkpoint save {step_time.save_s:.0f}s at "
+            f"{args.fs_write_gbps:g} GB/s per node"
+        )
+        console.print(
+            f"recommended signal lead: {step_time.recommended_lead_s}s (step + validation + save + "
+            f"{step_time.margin_s:.0f}s margin, rounded up to a minute): "
+            f"sbatch --signal=B:USR1@{step_time.recommended_lead_s}"
         )
     if findings:
         table = Table(title="findings")
