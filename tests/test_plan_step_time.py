@@ -260,7 +260,7 @@ def test_check_mean_length_share_scales_the_passes(capsys):
     """Log-prob and training FLOPs are per token: half the mean length at least halves them (attention
     grows with the length too, so more than half)."""
     args = (str(CONFIGS / "bapo_32b.yaml"), "--nodes", "8", "--gpus-per-node", "8")
-    _, full = _check(capsys, *args)
+    _, full = _check(capsys, *args, "--mean-length-share", "1")
     _, half = _check(capsys, *args, "--mean-length-share", "0.5")
     assert half["step_time_s"]["training"] < full["step_time_s"]["training"] / 2
     assert half["step_time_s"]["generation"] < full["step_time_s"]["generation"]
