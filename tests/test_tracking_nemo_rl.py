@@ -18,6 +18,13 @@ from bapo_nemo.tracking.nemo_rl import RUN_FILE, after_setup, prepare_logger_con
 from bapo_nemo.tracking.redact import REDACTED
 
 
+@pytest.fixture(autouse=True)
+def no_tracking_uri_from_earlier_tests(monkeypatch):
+    """MLflow clients of earlier tests (NeMo-RL's Logger calls mlflow.set_tracking_uri) leave
+    MLFLOW_TRACKING_URI in the environment; these tests are about the store chosen without it."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 def v070_config(tmp_path: Path, **mlflow) -> dict:
     """The parts of examples/configs/grpo_math_1B.yaml (v0.7.0) that tracking reads."""
     return {
