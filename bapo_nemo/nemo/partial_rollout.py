@@ -48,6 +48,7 @@ from bapo_nemo.rollout import (
     RolloutGroup,
 )
 from bapo_nemo.rollout.config import check_partial_rollout_config
+from bapo_nemo.rollout.config import config_get as _get
 
 STATE_FILE = "partial_rollouts.json"
 HOOK_STATE_FORMAT_VERSION = 1
@@ -56,16 +57,6 @@ _TENSOR_TAG = "__tensor__"
 
 class PartialRolloutSetupError(ValueError):
     """The NeMo-RL config cannot run partial rollouts as set; the message names the key and the fix."""
-
-
-# ---- config access (MasterConfig is a pydantic model with dict-typed sections; drivers may pass dicts) ----
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if obj is None:
-        return default
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    value = getattr(obj, key, default)
-    return default if value is None and default is not None else value
 
 
 # ---- JSON encoding of dataloader rows (they are checkpointed with the in-flight segments) -------------

@@ -134,7 +134,8 @@ class PartialRolloutConfig(BaseModel):
 
 # ---- rules on the rest of a NeMo-RL master config ---------------------------------------------------
 # MasterConfig is a pydantic model with dict-typed sections; callers may pass it or plain dicts.
-def _get(obj: Any, key: str, default: Any = None) -> Any:
+def config_get(obj: Any, key: str, default: Any = None) -> Any:
+    """`obj[key]` for a dict section, `obj.key` for MasterConfig, `default` when absent or None."""
     if obj is None:
         return default
     if isinstance(obj, Mapping):
@@ -159,21 +160,21 @@ def check_partial_rollout_config(master_config: Any, partial: PartialRolloutConf
     """Why this NeMo-RL config cannot run partial rollouts (empty list: it can)."""
     problems = []
     grpo, policy, loss_fn = (
-        _get(master_config, "grpo", {}),
-        _get(master_config, "policy", {}),
-        _get(master_config, "loss_fn", {}),
+        config_get(master_config, "grpo", {}),
+        config_get(master_config, "policy", {}),
+        config_get(master_config, "loss_fn", {}),
     )
-    generation = _get(policy, "generation") or {}
-    if _get(grpo, "max_rollout_turns", 1) != 1:
+    generation = config_get(policy, "generation") or {}
+    if config_get(grpo, "max_rollout_turns", 1) != 1:
         problems.append(
-            f"grpo.max_rollout_turns={_get(grpo, 'max_rollout_turns')}: partial rollouts are single-turn; set it to 1"
+            f"grpo.max_rollout_turns={config_get(grpo, 'max_rollout_turns')}: partial rollouts are single-turn; set it to 1"
         )
-    if _get(_get(grpo, "async_grpo", {}) or {}, "enabled", False):
+    if config_get(config_get(grpo, "async_grpo", {}) or {}, "enabled", False):
         problems.append(
             "grpo.async_grpo.enabled=true: the async loop runs rollouts in AsyncTrajectoryCollector (a Ray actor) "
             "that this hook cannot reach; use the sync loop (see docs/partial_rollouts.md)"
         )
-    if _get(_get(master_config, "env", {}) or {}, "should_use_nemo_gym", False):
+    if config_get(config_get(master_config, "env", {}) or {}, "should_use_nemo_gym", False):
         problems.append(
             "env.should_use_nemo_gym=true: NeMo-Gym rollouts manage their own generation; disable it"
         )
@@ -182,7 +183,7 @@ def check_partial_rollout_config(master_config: Any, partial: PartialRolloutConf
             "policy.generation uses an async engine (vllm_cfg.async_engine / mcore async_engine / "
             "use_async_rollouts): grpo_train then calls run_async_multi_turn_rollout; set it to false"
         )
-    if _get(_get(master_config, "data_plane", {}) or {}, "enabled", False):
+    if config_get(config_get(master_config, "data_plane", {}) or {}, "enabled", False):
         problems.append(
             "data_plane.enabled=true selects grpo_train_sync, which this hook does not wrap; disable it"
         )
@@ -191,13 +192,13 @@ def check_partial_rollout_config(master_config: Any, partial: PartialRolloutConf
             "partial_rollouts.stale_segments=downweight needs per-token loss weights, but grpo_train v0.7.0 builds "
             "its train_data from a fixed key list (token_mask comes from a 0/1 token_loss_mask): use exclude or keep"
         )
-    if partial.stale_segments == "keep" and not _get(loss_fn, "use_importance_sampling_correction", False):
+    if partial.stale_segments == "keep" and not config_get(loss_fn, "use_importance_sampling_correction", False):
         problems.append(
             "partial_rollouts.stale_segments=keep trains on tokens sampled by older policies: set "
             "loss_fn.use_importance_sampling_correction=true (weights them by pi_prev/pi_behaviour) or use "
             "stale_segments=exclude"
         )
-    prompts_per_step = _get(grpo, "num_prompts_per_step", 0)
+    prompts_per_step = config_get(grpo, "num_prompts_per_step", 0)
     if partial.max_in_flight_groups is not None and partial.max_in_flight_groups < prompts_per_step:
         problems.append(
             f"partial_rollouts.max_in_flight_groups={partial.max_in_flight_groups} < grpo.num_prompts_per_step="
