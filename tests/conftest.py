@@ -60,15 +60,3 @@ def pytest_collection_modifyitems(config, items):
         if "nemo_rl" in item.keywords and not nemo:
             item.add_marker(skip_nemo)
 
-
-@pytest.fixture(autouse=True)
-def _mlflow_environment_stays_per_test():
-    """mlflow.set_tracking_uri (called by NeMo-RL's MLflowLogger in the in-process driver tests) also
-    writes MLFLOW_TRACKING_URI into os.environ; left there, it would redirect every later run, including
-    subprocesses such as the Slurm jobs' trainers, into that test's store."""
-    before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
-    yield
-    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
-        if key not in before:
-            del os.environ[key]
-    os.environ.update(before)

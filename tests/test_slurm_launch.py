@@ -161,7 +161,10 @@ class LocalSlurm:
                 ]
             )
         )
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # MLFLOW_* left in this process by earlier in-process tests (NeMo-RL's MLflowLogger sets
+        # MLFLOW_TRACKING_URI) must not redirect the jobs' trainers; a test that wants one passes it.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        self.env = {**clean, "SLURM_CONF": str(self.conf)}
         self.procs.append(
             subprocess.Popen(
                 [self.bins["slurmctld"], "-D", "-c", "-f", str(self.conf)],

@@ -18,13 +18,6 @@ from bapo_nemo.tracking.nemo_rl import RUN_FILE, after_setup, prepare_logger_con
 from bapo_nemo.tracking.redact import REDACTED
 
 
-@pytest.fixture(autouse=True)
-def no_tracking_uri_from_earlier_tests(monkeypatch):
-    """MLflow clients of earlier tests (NeMo-RL's Logger calls mlflow.set_tracking_uri) leave
-    MLFLOW_TRACKING_URI in the environment; these tests are about the store chosen without it."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-
-
 def v070_config(tmp_path: Path, **mlflow) -> dict:
     """The parts of examples/configs/grpo_math_1B.yaml (v0.7.0) that tracking reads."""
     return {
@@ -43,7 +36,10 @@ def v070_config(tmp_path: Path, **mlflow) -> dict:
     }
 
 
-def test_defaults_to_sqlite_under_log_dir_and_does_not_touch_input(tmp_path):
+def test_defaults_to_sqlite_under_log_dir_and_does_not_touch_input(tmp_path, monkeypatch):
+    # NeMo-RL's MLflowLogger (in earlier in-process tests) leaves MLFLOW_TRACKING_URI set; the default
+    # store chosen without it is under test here.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = v070_config(tmp_path)
     out = prepare_logger_config(config)
     assert config["logger"]["mlflow_enabled"] is False  # input untouched
@@ -204,6 +200,7 @@ def test_sqlite_store_on_a_network_filesystem_is_warned_about(tmp_path, monkeypa
     declared a Lustre mount point in a stand-in /proc/mounts."""
     from bapo_nemo.tracking import filesystems
 
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # as in the defaults test above
     real = filesystems.filesystem_type
     mounts = f"/dev/sda1 / ext4 rw 0 0\nlustre@o2ib:/scratch {tmp_path / 'logs'} lustre rw 0 0\n"
     monkeypatch.setattr(filesystems, "filesystem_type", lambda path, _=None: real(path, mounts))
