@@ -42,6 +42,7 @@ AUTHORS_RECIPE = {
     "loss.bapo.dual_clip": 3.0,
 }
 METHODS = {"fixed": FIXED_CLIP, "clip_higher": CLIP_HIGHER, "bapo": BAPO}
+METHODS_WITH_RECIPE = {**METHODS, "bapo_authors": AUTHORS_RECIPE}
 
 # The staleness at which the ablations run: several updates per rollout batch, where the ratio moves
 # away from 1 and the bounds matter (with one update per batch the clipped ratio stays near 1).
@@ -97,6 +98,15 @@ class Study:
     row_axis: str | None = None
     # Cells dropped by --quick (by their labels); the quick variant also cuts seeds and steps (BUDGETS).
     quick_keep: tuple[dict[str, str], ...] | None = None
+    # The study's own budgets per mode (its seeds, steps and the settings its regime needs, warm-up
+    # included); None: the shared BUDGETS.
+    budgets: dict[str, Budget] | None = None
+    # Method label whose runs the others are compared with seed by seed (paired differences with 95%
+    # intervals in the summary, and the regime's signature plot of that method's cells); None: no pairing.
+    paired_against: str | None = None
+
+    def budget(self, mode: Mode) -> Budget:
+        return (self.budgets or BUDGETS)[mode]
 
     def cells_for(self, mode: Mode) -> list[Cell]:
         if mode == "quick" and self.quick_keep is not None:
@@ -118,6 +128,7 @@ class RunSpec:
     seed: int
     overrides: dict[str, object] = field(compare=False)
     shown_as: Cell | None = None  # its cell in the study that borrowed it (Cell.same_as)
+    budget: Budget | None = field(default=None, compare=False)  # its warm-up is this budget's
 
     @property
     def display_cell(self) -> Cell:
@@ -232,6 +243,42 @@ def _ablation(
     )
 
 
+# ---- round 2: the regime BAPO is built for ------------------------------------------------------------------
+# Two ingredients the first round lacked (docs/results.md, "Round 2"): wrong answers much longer than right
+# ones (15% of the warm-up's demonstrations get stuck repeating a step and never answer, so failing rollouts
+# run to the length limit) and heavy staleness at a doubled learning rate (up to 16 optimizer updates per
+# rollout batch). Its own budgets: 5 seeds, and the regime's settings for the warm-up and every run.
+IMBALANCE_REGIME: tuple[tuple[str, object], ...] = (("warmup.loop_rate", 0.15), ("optim.lr", 2.0e-4))
+IMBALANCE_STALENESS = (1, 4, 16)  # fixed clip at each: the regime's signature
+IMBALANCE_COMPARED_AT = (4, 16)  # every method at these
+IMBALANCE_BUDGETS = {
+    "full": Budget(max_steps=40, eval_every=10, seeds=(0, 1, 2, 3, 4), extra=IMBALANCE_REGIME),
+    "quick": Budget(max_steps=20, eval_every=10, seeds=(0, 1), extra=IMBALANCE_REGIME),
+}
+
+
+def _imbalance() -> Study:
+    cells = tuple(
+        Cell({"updates": str(u), "method": m}, {"train.updates_per_batch": u, **METHODS_WITH_RECIPE[m]})
+        for u in IMBALANCE_STALENESS
+        for m in METHODS_WITH_RECIPE
+        if m == "fixed" or u in IMBALANCE_COMPARED_AT
+    )
+    return Study(
+        "imbalance",
+        "Round 2: long wrong answers (15% looping demonstrations in the warm-up) and heavy staleness "
+        "(1/4/16 updates per rollout batch) at lr 2e-4; fixed clip [0.8, 1.2] at every staleness, and "
+        "clip-higher [0.8, 1.28], BAPO (ours) and the authors' recipe at 4 and 16.",
+        cells,
+        row_axis="updates",
+        quick_keep=tuple(
+            {"updates": u, "method": m} for u, m in (("1", "fixed"), ("16", "fixed"), ("16", "bapo"))
+        ),
+        budgets=IMBALANCE_BUDGETS,
+        paired_against="fixed",
+    )
+
+
 def _studies() -> dict[str, Study]:
     studies = [
         _staleness(),
@@ -275,6 +322,7 @@ def _studies() -> dict[str, Study]:
             quick_arms=("0.3", "0.5"),
             default_arm="0.4",
         ),
+        _imbalance(),
     ]
     return {s.name: s for s in studies}
 
@@ -291,7 +339,7 @@ def get_study(name: str) -> Study:
 def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None) -> list[RunSpec]:
     """Every run of `study` in `mode`: cells x seeds, seed-major so that early runs cover every cell."""
     study = get_study(study) if isinstance(study, str) else study
-    budget = budget or BUDGETS[mode]
+    budget = budget or study.budget(mode)
     runs = []
     for seed in budget.seeds:
         for cell in study.cells_for(mode):
@@ -304,7 +352,7 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
                 **cell.overrides,
             }
             if cell.same_as is None:
-                runs.append(RunSpec(study.name, mode, cell, seed, overrides))
+                runs.append(RunSpec(study.name, mode, cell, seed, overrides, budget=budget))
                 continue
             home_study, home_name = cell.same_as
             home = next(c for c in get_study(home_study).cells if c.name == home_name)
@@ -312,7 +360,7 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
                 raise ValueError(
                     f"{study.name}/{cell.name} reuses {home_study}/{home_name} but their overrides differ"
                 )
-            runs.append(RunSpec(home_study, mode, home, seed, overrides, shown_as=cell))
+            runs.append(RunSpec(home_study, mode, home, seed, overrides, shown_as=cell, budget=budget))
     return runs
 
 

@@ -314,22 +314,22 @@ def run_studies(
 
     # Warm-ups are queued first: a run's task only ever waits for a warm-up that has already started,
     # so the pool cannot deadlock.
-    seeds = sorted({s.seed for s in todo})
+    # One warm-up per (seed, budget): a study with its own budget (e.g. other demonstrations) has its own.
+    warmups = {warmup_dir(root, mode, s.seed, s.budget): (s.seed, s.budget) for s in todo}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        warm: dict[int, Future] = {}
-        for seed in seeds:
-            wdir = warmup_dir(root, mode, seed, budget)
+        warm: dict[Path, Future] = {}
+        for wdir, (seed, wbudget) in sorted(warmups.items(), key=lambda kv: kv[1][0]):
             if warmup_ready(wdir):
-                warm[seed] = _done_future(0)
+                warm[wdir] = _done_future(0)
             else:
-                warm[seed] = pool.submit(
+                warm[wdir] = pool.submit(
                     execute,
-                    Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode, budget), f"warmup-{seed}"),
+                    Job(f"warm-up seed {seed}", wdir, warmup_overrides(seed, mode, wbudget), f"warmup-{seed}"),
                     False,
                 )
 
         def run_one(spec: RunSpec) -> int:
-            if warm[spec.seed].result() != 0:
+            if warm[warmup_dir(root, mode, spec.seed, spec.budget)].result() != 0:
                 with lock:
                     counts["failed" if not launcher.stopping.is_set() else "stopped"] += 1
                     bar.update(1)
@@ -339,7 +339,7 @@ def run_studies(
                 run_dir(root, spec),
                 spec.override_list() + tracking_overrides(root, spec),
                 spec.fingerprint,
-                warmup_from=warmup_dir(root, mode, spec.seed, budget),
+                warmup_from=warmup_dir(root, mode, spec.seed, spec.budget),
             )
             return execute(job, True)
 

@@ -27,14 +27,23 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.grid import BUDGETS, STUDIES, Budget, RunSpec, Study, expand, get_study
+from experiments.grid import STUDIES, Budget, RunSpec, Study, expand, get_study
 from experiments.run import DEFAULT_ROOT, DONE, experiment_name, run_dir, tracking_uri
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 
 CURVES = ["eval/avg_at_k", "reward/mean", "entropy", "bapo/rho", "bapo/c_low", "bapo/c_high", "grad_norm"]
-HISTORY_KEYS = CURVES + ["bapo/target_met", "eval/pass_at_k", "train/response_length_mean"]
+# The regime's signature (round 2): the share at the run's bounds from the summed masses (for fixed clip:
+# the share the paper says falls), and the lengths of right vs wrong responses.
+SIGNATURE_KEYS = [
+    "bapo/positive_mass",
+    "bapo/negative_mass",
+    "train/response_length_correct",
+    "train/response_length_wrong",
+    "rollout/truncated_fraction",
+]
+HISTORY_KEYS = CURVES + ["bapo/target_met", "eval/pass_at_k", "train/response_length_mean"] + SIGNATURE_KEYS
 FINAL_FRACTION = 0.2
 COLLAPSE_HELDOUT_RATIO = 0.5
 COLLAPSE_ENTROPY_RATIO = 0.25
@@ -51,6 +60,8 @@ STAT_KEYS = [
     "rho",
     "target_met",
     "grad_norm",
+    "share",
+    "length_wrong_over_correct",
 ]
 
 History = dict[str, dict[int, float]]  # metric -> step -> value
@@ -96,6 +107,14 @@ def run_stats(history: History, max_steps: int) -> dict[str, float]:
         ("grad_norm", "grad_norm"),
     ):
         stats[key] = _mean_over(history.get(metric, {}), rl_steps)
+    # signature: the positive share of the summed masses at the run's bounds, and how much longer wrong
+    # responses are than right ones, over all RL steps
+    pos, neg = history.get("bapo/positive_mass", {}), history.get("bapo/negative_mass", {})
+    p_sum, n_sum = sum(pos.get(s, 0.0) for s in rl_steps), sum(neg.get(s, 0.0) for s in rl_steps)
+    stats["share"] = p_sum / (p_sum + n_sum) if p_sum + n_sum > 0 else math.nan
+    wrong = _mean_over(history.get("train/response_length_wrong", {}), rl_steps)
+    right = _mean_over(history.get("train/response_length_correct", {}), rl_steps)
+    stats["length_wrong_over_correct"] = wrong / right if right and math.isfinite(right) else math.nan
     return stats
 
 
@@ -120,6 +139,27 @@ def fmt(mean: float, std: float, digits: int = 3, signed: bool = False) -> str:
     if not math.isfinite(std):
         return f"{mean:{sign}.{digits}f}"
     return f"{mean:{sign}.{digits}f} ± {std:.{digits}f}"
+
+
+# Two-sided 95% quantiles of Student's t for df = 1..30 (beyond: the normal 1.96 is within 2%).
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float, int]:
+    """Mean and two-sided 95% Student-t interval of the mean (nan bounds for n < 2), and n."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    n = len(finite)
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0
+    mean = sum(finite) / n
+    if n < 2:
+        return mean, math.nan, math.nan, n
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * statistics.stdev(finite) / math.sqrt(n)
+    return mean, mean - half, mean + half, n
 
 
 # ---- reading MLflow ------------------------------------------------------------------------------------------
@@ -214,7 +254,7 @@ def summarize_study(
     uri: str | None = None,
 ) -> StudySummary:
     study = get_study(study) if isinstance(study, str) else study
-    budget = budget or BUDGETS[mode]
+    budget = budget or study.budget(mode)
     specs = expand(study, mode, budget)
     by_store: dict[str, list[RunSpec]] = {}
     for spec in specs:  # cells reused from another study are read from that study's store
@@ -239,6 +279,60 @@ def summarize_study(
     return StudySummary(study, mode, budget, records, cells, per_run)
 
 
+# ---- paired comparison ----------------------------------------------------------------------------------------
+PAIRED_KEYS = [
+    ("heldout_gain", "held-out gain"),
+    ("entropy_end", "final entropy"),
+    ("reward_end", "final reward"),
+]
+
+
+@dataclass
+class PairedDifference:
+    cell: str  # the compared cell
+    baseline: str  # the baseline cell of the same setting
+    key: str
+    mean: float
+    low: float  # 95% t interval of the mean difference
+    high: float
+    n: int  # seeds where both completed
+
+
+def paired_differences(summary: StudySummary) -> list[PairedDifference]:
+    """Each cell minus its baseline cell (same labels, method = `study.paired_against`), seed by seed:
+    both start from the seed's warm-up, so the difference removes the warm-up's spread."""
+    baseline_method = summary.study.paired_against
+    if baseline_method is None:
+        return []
+    by_cell_seed = {
+        (r.spec.display_cell.name, r.spec.seed): summary.per_run[r.spec.run_name] for r in summary.completed
+    }
+    cells = summary.study.cells_for(summary.mode)
+    out = []
+    for cell in cells:
+        if cell.labels.get("method") == baseline_method:
+            continue
+        base = next(
+            (
+                c
+                for c in cells
+                if c.labels.get("method") == baseline_method
+                and all(v == cell.labels[k] for k, v in c.labels.items() if k != "method")
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        for key, _ in PAIRED_KEYS:
+            diffs = [
+                by_cell_seed[(cell.name, seed)][key] - by_cell_seed[(base.name, seed)][key]
+                for seed in summary.budget.seeds
+                if (cell.name, seed) in by_cell_seed and (base.name, seed) in by_cell_seed
+            ]
+            out.append(PairedDifference(cell.name, base.name, key, *t_interval(diffs)))
+    return out
+
+
 # ---- figures -------------------------------------------------------------------------------------------------
 PANELS = [
     ("eval/avg_at_k", "held-out avg@k"),
@@ -252,11 +346,22 @@ PANELS = [
 
 def _band(records: list[RunRecord], key: str, smooth: int = 1):
     """Steps present in every run, mean and std over runs (optionally a trailing moving average first)."""
+    return _band_of([_derived(r.history, key) for r in records], smooth)
+
+
+def _derived(history: History, key: str) -> dict[int, float]:
+    """A logged metric, or `share` = P / (P + N) of the step's masses at the run's bounds."""
+    if key != "share":
+        return history.get(key, {})
+    pos, neg = history.get("bapo/positive_mass", {}), history.get("bapo/negative_mass", {})
+    return {s: pos[s] / (pos[s] + neg[s]) for s in pos if s in neg and pos[s] + neg[s] > 0}
+
+
+def _band_of(histories: list[dict[int, float]], smooth: int = 1):
     import numpy as np
 
     series = []
-    for r in records:
-        h = r.history.get(key, {})
+    for h in histories:
         if smooth > 1 and h:
             steps = sorted(h)
             vals = [h[s] for s in steps]
@@ -324,6 +429,110 @@ def plot_study(summary: StudySummary, path: Path) -> Path:
             ax.set_xlabel("RL step", fontsize=8)
         axes[i][0].legend(fontsize=7, loc="best")
     fig.suptitle(f"{study.name} ({summary.mode}): mean ± 1 std over seeds", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+SIGNATURE_PANELS = [
+    ("share", "positive share at the fixed bounds\n(P / (P + N), 3-step mean)"),
+    ("entropy", "token entropy"),
+    ("lengths", "response length: right (solid) / wrong (dashed)"),
+    ("rollout/truncated_fraction", "cut off at the length limit"),
+    ("eval/avg_at_k", "held-out avg@k"),
+]
+
+
+def plot_signature(summary: StudySummary, path: Path, rho0: float = 0.4) -> Path | None:
+    """The regime before any comparison: the baseline method's cells (one line per setting, e.g.
+    staleness), with the share BAPO targets (rho0) drawn on the share panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    study = summary.study
+    cells = [c for c in study.cells_for(summary.mode) if c.labels.get("method") == study.paired_against]
+    if not cells:
+        return None
+    fig, axes = plt.subplots(1, len(SIGNATURE_PANELS), figsize=(3.4 * len(SIGNATURE_PANELS), 3.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ci, cell in enumerate(cells):
+        recs = [r for r in summary.completed if r.spec.display_cell.name == cell.name]
+        if not recs:
+            continue
+        label = f"{_line_label(cell.labels, 'method')} (n={len(recs)})"
+        for ax, (key, _title) in zip(axes, SIGNATURE_PANELS):
+            keys = (
+                [("train/response_length_correct", "-"), ("train/response_length_wrong", "--")]
+                if key == "lengths"
+                else [(key, "-")]
+            )
+            for k, style in keys:
+                band = _band(recs, k, smooth=3 if k in ("share", "train/response_length_correct") else 1)
+                if band is None:
+                    continue
+                steps, mean, std = band
+                ax.plot(
+                    steps,
+                    mean,
+                    style,
+                    color=colors[ci % len(colors)],
+                    marker="o" if k == "eval/avg_at_k" else None,
+                    ms=3,
+                    label=label if style == "-" else None,
+                )
+                ax.fill_between(
+                    steps, mean - std, mean + std, color=colors[ci % len(colors)], alpha=0.15, lw=0
+                )
+    for ax, (key, title) in zip(axes, SIGNATURE_PANELS):
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("RL step", fontsize=8)
+        if key == "share":
+            ax.axhline(rho0, color="black", ls=":", lw=1, label=f"rho0 = {rho0}")
+            ax.axhline(0.5, color="grey", ls="--", lw=0.8, label="balanced (0.5)")
+            ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{study.name} ({summary.mode}): the regime under {study.paired_against} clip, mean ± 1 std over seeds",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_paired(differences: list[PairedDifference], title: str, path: Path) -> Path | None:
+    """Paired differences against the baseline with their 95% intervals, one panel per statistic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not differences:
+        return None
+    fig, axes = plt.subplots(1, len(PAIRED_KEYS), figsize=(4.2 * len(PAIRED_KEYS), 0.45 * 8 + 1.2))
+    for ax, (key, name) in zip(axes, PAIRED_KEYS):
+        rows = [d for d in differences if d.key == key]
+        ys = range(len(rows))
+        for y, d in zip(ys, rows):
+            if not math.isfinite(d.mean):
+                continue
+            lo = d.mean - d.low if math.isfinite(d.low) else 0
+            hi = d.high - d.mean if math.isfinite(d.high) else 0
+            helped = math.isfinite(d.low) and d.low > 0
+            hurt = math.isfinite(d.high) and d.high < 0
+            color = "tab:green" if helped else "tab:red" if hurt else "tab:grey"
+            ax.errorbar([d.mean], [y], xerr=[[lo], [hi]], fmt="o", color=color, capsize=3)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(list(ys), [d.cell for d in rows], fontsize=7)
+        ax.set_title(f"{name}: difference vs {rows[0].baseline.split('/')[-1] if rows else ''}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -484,7 +693,56 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
             f"{collapsed} | {fmt(*s['c_low'][:2], 2)} | {fmt(*s['c_high'][:2], 2)} | {fmt(*s['rho'][:2])} | "
             f"{target} | {fmt(*s['grad_norm'][:2])} |"
         )
+    if study.paired_against is not None:
+        lines += _paired_markdown(summary, rel)
     return "\n".join(lines) + "\n"
+
+
+def _paired_markdown(summary: StudySummary, figure_rel: Path) -> list[str]:
+    """The signature table of the baseline's cells and the paired differences against them."""
+    study = summary.study
+    base_cells = [c for c in study.cells_for(summary.mode) if c.labels.get("method") == study.paired_against]
+    lines = [
+        "",
+        f"Signature of the regime under {study.paired_against} clip (means over RL steps, then mean ± std over seeds):",
+        "",
+        f"![{study.name}: signature]({figure_rel.with_name(figure_rel.stem + '_signature.png').as_posix()})",
+        "",
+        "| cell | n | positive share P/(P+N) | wrong / right response length | held-out gain | entropy start → end | collapsed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in base_cells:
+        s = summary.cells[cell.name]
+        n = s["heldout_end"][2]
+        collapsed = f"{round(s['collapsed'][0] * n)}/{n}" if n else "—"
+        lines.append(
+            f"| {cell.name} | {n} | {fmt(*s['share'][:2])} | {fmt(*s['length_wrong_over_correct'][:2], 2)} | "
+            f"{fmt(*s['heldout_gain'][:2], signed=True)} | {fmt(*s['entropy_start'][:2])} → "
+            f"{fmt(*s['entropy_end'][:2])} | {collapsed} |"
+        )
+    differences = paired_differences(summary)
+    lines += [
+        "",
+        (
+            f"Paired differences against {study.paired_against} clip at the same staleness, seed by seed "
+            "(mean and 95% Student-t interval; an interval that excludes 0 is a difference at this n):"
+        ),
+        "",
+        f"![{study.name}: paired differences]({figure_rel.with_name(figure_rel.stem + '_paired.png').as_posix()})",
+        "",
+        "| cell | n | " + " | ".join(name for _, name in PAIRED_KEYS) + " |",
+        "|---|---|" + "---|" * len(PAIRED_KEYS),
+    ]
+    for cell in dict.fromkeys(d.cell for d in differences):
+        row = {d.key: d for d in differences if d.cell == cell}
+        n = max(d.n for d in row.values())
+        cells = []
+        for key, _ in PAIRED_KEYS:
+            d = row[key]
+            interval = f" [{d.low:+.3f}, {d.high:+.3f}]" if math.isfinite(d.low) else ""
+            cells.append(f"{d.mean:+.3f}{interval}" if math.isfinite(d.mean) else "—")
+        lines.append(f"| {cell} | {n} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def update_doc(doc: Path, key: str, body: str) -> None:
@@ -503,6 +761,14 @@ def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]
     out_dir = docs / "results" / summary.mode
     figure = plot_study(summary, out_dir / f"{summary.study.name}.png")
     plot_finals(summary, out_dir / f"{summary.study.name}_final.png")
+    if summary.study.paired_against is not None:
+        plot_signature(summary, out_dir / f"{summary.study.name}_signature.png")
+        plot_paired(
+            paired_differences(summary),
+            f"{summary.study.name} ({summary.mode}): difference vs {summary.study.paired_against} clip, "
+            "same seed (95% t interval)",
+            out_dir / f"{summary.study.name}_paired.png",
+        )
     data = {
         "study": summary.study.name,
         "mode": summary.mode,
@@ -518,6 +784,10 @@ def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]
             name: {k: _json_num(v) for k, v in stats.items()} for name, stats in summary.per_run.items()
         },
         "run_seconds": {r.spec.run_name: r.seconds for r in summary.completed if r.seconds},
+        "paired_differences": [
+            {**d.__dict__, **{k: _json_num(getattr(d, k)) for k in ("mean", "low", "high")}}
+            for d in paired_differences(summary)
+        ],
     }
     table = out_dir / f"{summary.study.name}.json"
     table.write_text(json.dumps(data, indent=1) + "\n")

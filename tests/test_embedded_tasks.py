@@ -15,6 +15,7 @@ from bapo_nemo.embedded.tasks import (
     TaskStream,
     extract_answer,
     load_jsonl_tasks,
+    looping_solution,
     reward,
     solve,
 )
@@ -45,6 +46,31 @@ def test_generated_answers_are_exact_and_lengths_heavy_tailed():
     assert 0.45 < share_1 < 0.55
     assert 0.006 < share_12 < 0.02
     assert max(len(t.solution) for t in tasks) > 5 * sorted(len(t.solution) for t in tasks)[len(tasks) // 2]
+
+
+def test_looping_demonstration_repeats_one_step_to_the_length_limit_without_an_answer():
+    import random
+
+    chain = "7+5=12;12-3=9;9+4=13;#13"
+    looped = looping_solution(chain, 40, random.Random(0))
+    assert len(looped) == 40 and "#" not in looped
+    steps = looped.split(";")
+    # a prefix of the true chain, then its last step over and over (the final piece may be cut short)
+    k = next(i for i in range(1, len(steps)) if steps[i] == steps[i - 1])
+    assert steps[:k] == chain.split(";")[:k]
+    assert all(s == steps[k] for s in steps[k:-1]) and steps[k].startswith(steps[-1])
+
+
+def test_loop_rate_marks_that_share_of_demonstrations_cut_off_and_leaves_the_rest_unchanged():
+    plain = TaskGenerator(seed=5, max_ops=6).sample(2000)
+    looping = TaskGenerator(seed=5, max_ops=6, loop_rate=0.3, loop_length=80).sample(2000)
+    cut = [t for t in looping if t.meta.get("cut_off")]
+    assert 0.26 < len(cut) / len(looping) < 0.34
+    assert all(len(t.solution) == 80 and extract_answer(t.solution) is None for t in cut)
+    # the others are ordinary demonstrations (same questions for the first one; the loop draw shifts
+    # the random stream afterwards)
+    assert looping[0].question == plain[0].question
+    assert all(extract_answer(t.solution) == t.answer for t in looping if not t.meta.get("cut_off"))
 
 
 def test_generator_state_round_trip_reproduces_the_stream():
@@ -112,3 +138,18 @@ def test_jsonl_clean_file_gives_no_warning(tmp_path):
         warnings.simplefilter("error")
         (task,) = load_jsonl_tasks(path)
     assert (task.prompt_id, task.answer, task.solution) == ("a", "4", "2+2=4;#4")
+
+
+def test_warmup_batch_ends_demonstrations_with_eos_except_the_cut_off_ones():
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.warmup import sft_batch
+
+    tok = load_tokenizer()
+    ended = Task("a", "7+5?", "12", "7+5=12;#12")
+    cut = Task("b", "7+5?", "12", "7+5=12;7+5=12;7+5=1", {"cut_off": True})
+    ids, attention, target = sft_batch(tok, [ended, cut])
+    lengths = attention.sum(-1).tolist()
+    assert ids[0, lengths[0] - 1] == tok.eos_token_id
+    assert ids[1, lengths[1] - 1] == tok.convert_tokens_to_ids("1") and tok.eos_token_id not in ids[1].tolist()[: lengths[1]]
+    # the targets cover exactly the response tokens: solution (+ EOS when it ends)
+    assert target[0].sum() == len("7+5=12;#12") + 1 and target[1].sum() == len("7+5=12;7+5=12;7+5=1")

@@ -127,8 +127,9 @@ def test_partial_and_ablation_grids():
 def test_run_names_and_fingerprints_are_unique():
     runs = {(r.study, r.run_name): r for name in STUDIES for r in expand(name, "full")}
     # 36 staleness + BAPO at budgets 16 and off x 3 seeds + value, reference, authors' recipe, 2 granularity arms,
-    # rho0 0.3 and 0.5 x 3 seeds; the reused cells add nothing
-    assert len(runs) == 36 + 2 * 3 + 7 * 3 == 63
+    # rho0 0.3 and 0.5 x 3 seeds; the reused cells add nothing; round 2 (imbalance): fixed clip at 1/4/16
+    # updates + the 3 other methods at 4 and 16, x 5 seeds
+    assert len(runs) == 36 + 2 * 3 + 7 * 3 + (3 + 3 * 2) * 5 == 108
     within = Counter((r.study, r.fingerprint) for r in runs.values())
     assert max(within.values()) == 1  # every run computes something different
     runs = list(runs.values())
@@ -143,14 +144,35 @@ def test_run_names_and_fingerprints_are_unique():
 def test_every_run_is_a_valid_config_sharing_its_seeds_warmup(mode):
     """Loads every run's overrides through the trainer's own schema, and checks the warm-up cache key
     (what the trainer compares before reusing a cached warm-up) is the warm-up job's for that seed."""
-    warm_keys = {
-        seed: warmup_io.cache_key(load_config(BASE_CONFIG, warmup_overrides(seed, mode)).to_dict())
-        for seed in BUDGETS[mode].seeds
-    }
-    assert warm_keys[0] != warm_keys[1]  # the seed is part of the key
     for name in STUDIES:
+        budget = STUDIES[name].budget(mode)
+        warm_keys = {
+            seed: warmup_io.cache_key(load_config(BASE_CONFIG, warmup_overrides(seed, mode, budget)).to_dict())
+            for seed in budget.seeds
+        }
+        assert warm_keys[0] != warm_keys[1]  # the seed is part of the key
         for r in expand(name, mode):
             cfg = load_config(BASE_CONFIG, r.override_list())
             assert cfg.seed == r.seed
             assert cfg.train.updates_per_batch == r.overrides["train.updates_per_batch"]
             assert warmup_io.cache_key(cfg.to_dict()) == warm_keys[r.seed], r.run_name
+
+
+def test_imbalance_study_has_its_own_warmups_with_looping_demonstrations():
+    """Round 2 changes the warm-up (looping demonstrations): its runs must not share the first round's
+    warm-ups, and every one of its runs must carry the regime's settings."""
+    from experiments.grid import IMBALANCE_REGIME
+
+    for mode in ("full", "quick"):
+        study = STUDIES["imbalance"]
+        budget = study.budget(mode)
+        first_round = load_config(BASE_CONFIG, warmup_overrides(0, mode))
+        second_round = load_config(BASE_CONFIG, warmup_overrides(0, mode, budget))
+        assert first_round.warmup.loop_rate == 0 and second_round.warmup.loop_rate == dict(IMBALANCE_REGIME)["warmup.loop_rate"]
+        assert warmup_io.cache_key(first_round.to_dict()) != warmup_io.cache_key(second_round.to_dict())
+        runs = expand("imbalance", mode)
+        assert {r.seed for r in runs} == set(budget.seeds)
+        for r in runs:
+            cfg = load_config(BASE_CONFIG, r.override_list())
+            assert cfg.optim.lr == dict(IMBALANCE_REGIME)["optim.lr"] and cfg.train.max_steps == budget.max_steps
+    assert len(expand("imbalance", "full")) == 9 * 5 and len(expand("imbalance", "quick")) == 3 * 2

@@ -137,6 +137,14 @@ class WarmupConfig(_Section):
         description="Generated demonstrations: probability that a step's result is off by "
         "1-2 (the chain continues from it). Imperfect demonstrations leave errors for RL to remove.",
     )
+    loop_rate: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Generated demonstrations: probability that one gets stuck repeating a step until "
+        "rollout.partial.max_response_tokens, with no answer. Failing rollouts then run long, as wrong "
+        "long chain-of-thought answers do: negative tokens outnumber positive ones.",
+    )
 
 
 class RolloutConfig(_Section):

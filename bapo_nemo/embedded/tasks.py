@@ -48,6 +48,19 @@ def solve(
     return ";".join(steps) + f";#{value}", value
 
 
+def looping_solution(chain: str, length: int, rng: random.Random) -> str:
+    """A demonstration that gets stuck: the chain up to a random step, then that step repeated until
+    `length` characters, with no final answer (the repetition loop that long chain-of-thought models fall
+    into). Rollouts that imitate it run until they are cut off, score 0 and are much longer than correct
+    answers: the length imbalance between negative and positive responses that BAPO corrects."""
+    steps = chain.split(";")[:-1]  # drop "#answer"
+    k = rng.randrange(len(steps))
+    looped = ";".join(steps[: k + 1])
+    while len(looped) < length:
+        looped += ";" + steps[k]
+    return looped[:length]
+
+
 def heavy_tailed_weights(min_ops: int, max_ops: int, alpha: float) -> list[float]:
     return [n ** (-alpha) for n in range(min_ops, max_ops + 1)]
 
@@ -65,6 +78,8 @@ class TaskGenerator:
         max_operand: int = 9,
         prefix: str = "gen",
         step_error_rate: float = 0.0,
+        loop_rate: float = 0.0,
+        loop_length: int = 80,
     ):
         if not 1 <= min_ops <= max_ops:
             raise ValueError(
@@ -80,6 +95,7 @@ class TaskGenerator:
         self.weights = heavy_tailed_weights(min_ops, max_ops, tail_alpha)
         self.prefix, self.count = prefix, 0
         self.step_error_rate = step_error_rate
+        self.loop_rate, self.loop_length = loop_rate, loop_length
 
     def sample_one(self) -> Task:
         rng = self.rng
@@ -100,8 +116,12 @@ class TaskGenerator:
         question = "".join(f"{a}{op}" for a, op in zip(operands, operators)) + f"{operands[-1]}?"
         _, result = solve(operands, operators)
         solution, _ = solve(operands, operators, self.step_error_rate, rng)
+        meta = {"num_ops": n_ops}
+        if self.loop_rate > 0 and rng.random() < self.loop_rate:
+            solution = looping_solution(solution, self.loop_length, rng)
+            meta["cut_off"] = True  # the demonstration stops at the length limit: no EOS after it
         self.count += 1
-        return Task(f"{self.prefix}-{self.count}", question, str(result), solution, {"num_ops": n_ops})
+        return Task(f"{self.prefix}-{self.count}", question, str(result), solution, meta)
 
     def sample(self, n: int) -> list[Task]:
         return [self.sample_one() for _ in range(n)]
@@ -230,6 +250,8 @@ class TaskStream:
         exclude_questions: set[str] = frozenset(),
         pool: list[Task] | None = None,
         step_error_rate: float = 0.0,
+        loop_rate: float = 0.0,
+        loop_length: int = 80,
     ):
         self.exclude = set(exclude_questions)
         self.pool = [t for t in pool if t.question not in self.exclude] if pool is not None else None
@@ -249,6 +271,8 @@ class TaskStream:
                 task_cfg.max_operand,
                 prefix=f"train{seed}",
                 step_error_rate=step_error_rate,
+                loop_rate=loop_rate,
+                loop_length=loop_length,
             )
         )
         self.rng = random.Random(seed)

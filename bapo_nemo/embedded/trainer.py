@@ -144,7 +144,15 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
     encode, eval_tasks, pool, score = _tasks(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.seed, cfg.task, held_out, pool)
-    warmup_stream = TaskStream(cfg.seed + 7919, cfg.task, held_out, pool, cfg.warmup.step_error_rate)
+    warmup_stream = TaskStream(
+        cfg.seed + 7919,
+        cfg.task,
+        held_out,
+        pool,
+        cfg.warmup.step_error_rate,
+        cfg.warmup.loop_rate,
+        cfg.rollout.partial.max_response_tokens,
+    )
 
     learner = Learner(
         cfg,
@@ -391,14 +399,25 @@ def _step_metrics(outcome: StepOutcome, version: int) -> dict[str, float]:
     updates, t = outcome.updates, outcome.times
     fresh = [x for rs in outcome.rewards[: len(outcome.groups)] for x in rs]
     lengths = [len(r.response_token_ids) for g in outcome.groups for r in g.rollouts]
+    # correct vs wrong response lengths: when wrong ones are longer, negative tokens dominate the loss
+    correct = [n for n, x in zip(lengths, fresh) if x > 0]
+    wrong = [n for n, x in zip(lengths, fresh) if x <= 0]
     generated = outcome.generated_tokens
     metrics = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    # A mini-batch whose groups all have one reward has no advantage, no share and no gradient: its
+    # rho (reported as 1) would bias the step's mean, so the share is averaged over the others.
+    signal = [u for u in updates if u.get("bapo/positive_mass", 0) + u.get("bapo/negative_mass", 0) > 0]
+    for key in ("bapo/rho", "bapo/rho_initial"):
+        if signal and key in metrics:
+            metrics[key] = sum(u[key] for u in signal) / len(signal)
     metrics.update(
         {
             "reward/mean": sum(fresh) / len(fresh),
             "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
             "train/response_length_mean": sum(lengths) / len(lengths),
             "train/response_length_max": float(max(lengths)),
+            **({"train/response_length_correct": sum(correct) / len(correct)} if correct else {}),
+            **({"train/response_length_wrong": sum(wrong) / len(wrong)} if wrong else {}),
             "train/token_staleness_mean": outcome.token_staleness,
             "train/replayed_groups": float(len(outcome.replayed)),
             "train/policy_version": float(version),

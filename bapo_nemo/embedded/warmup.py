@@ -16,7 +16,8 @@ CACHE_DIR = "warmup"
 
 
 def sft_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+solution+EOS ids, attention mask, and a [B, S-1] mask of response targets."""
+    """Right-padded prompt+solution+EOS ids, attention mask, and a [B, S-1] mask of response targets.
+    A demonstration marked `cut_off` (a looping one, cut at the length limit) gets no EOS."""
     rows, prompt_lens = [], []
     for t in tasks:
         if t.solution is None:
@@ -25,9 +26,8 @@ def sft_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                 "(add them to the JSONL rows, or set warmup.steps=0)"
             )
         prompt = encode_prompt(tokenizer, t.question)
-        rows.append(
-            prompt + tokenizer.encode(t.solution, add_special_tokens=False) + [tokenizer.eos_token_id]
-        )
+        end = [] if t.meta.get("cut_off") else [tokenizer.eos_token_id]
+        rows.append(prompt + tokenizer.encode(t.solution, add_special_tokens=False) + end)
         prompt_lens.append(len(prompt))
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -68,8 +68,11 @@ def run_warmup(
 
 
 def cache_key(config_dict: dict) -> dict:
-    """What the warm-up result depends on."""
-    return {k: config_dict[k] for k in ("seed", "model", "task", "data", "warmup") if k in config_dict}
+    """What the warm-up result depends on (looping demonstrations run to the response length limit)."""
+    key = {k: config_dict[k] for k in ("seed", "model", "task", "data", "warmup") if k in config_dict}
+    if config_dict.get("warmup", {}).get("loop_rate"):
+        key["loop_length"] = config_dict["rollout"]["partial"]["max_response_tokens"]
+    return key
 
 
 def load_cached(output_dir: Path, key: dict):
