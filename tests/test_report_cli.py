@@ -121,3 +121,15 @@ def test_single_run_plot_is_logged_under_plots(store, tmp_path):
     assert matplotlib.image.imread(png).shape[1] > 1000
     paths = {a.path for a in MlflowClient(store["uri"]).list_artifacts(store["embedded"], "plots")}
     assert paths == {"plots/training_dynamics.png"}
+
+
+def test_rho_panel_target_comes_from_the_runs_that_search(store, tmp_path):
+    """The rho panel draws each BAPO run's rho0 (the share the search aims for); runs with BAPO off or
+    without BAPO (the NeMo-RL baseline here) add no line."""
+    from bapo_nemo.tracking.report import RunData, build_report, target_shares
+
+    result = build_report(store["uri"], "bapo-vs-grpo", None, tmp_path, log_to_runs=False, progress=False)
+    assert target_shares(result.runs) == [0.4]  # bapo-embedded: loss.bapo.rho0 = 0.4; grpo-nemo has none
+    off = RunData("x", "fixed", "FINISHED", {"loss.bapo.enabled": "False", "loss.bapo.rho0": "0.4"})
+    other = RunData("y", "rho05", "FINISHED", {"loss.bapo.enabled": "True", "loss.bapo.rho0": "0.5"})
+    assert target_shares([off, other, *result.runs]) == [0.5, 0.4]

@@ -136,6 +136,22 @@ def key_params(params: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def target_shares(runs: list[RunData]) -> list[float]:
+    """The distinct rho0 targets of the runs that search their bounds (BAPO enabled), for the rho panel."""
+    targets = []
+    for run in runs:
+        params = key_params(run.params)
+        if params.get("bapo.enabled", "True").lower() != "true" or "bapo.rho0" not in params:
+            continue
+        try:
+            rho0 = float(params["bapo.rho0"])
+        except ValueError:
+            continue
+        if rho0 not in targets:
+            targets.append(rho0)
+    return targets
+
+
 def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
     panels = [p for p in PANELS if not p.optional or any(r.series.get(m) for r in runs for m in p.metrics)]
     cols = 4 if len(panels) > 6 else 3
@@ -154,6 +170,9 @@ def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
                 ax.plot(steps, values, _STYLES.get(metric, "-"), color=colours[i % len(colours)],
                         marker="o" if len(points) < 15 else None, markersize=3, label=f"{run.label}{suffix}")
                 drawn = True
+        if "bapo/rho" in panel.metrics:
+            for rho0 in target_shares(runs):
+                ax.axhline(rho0, color="black", ls=":", lw=1, label=f"target rho0 = {rho0:g}")
         ax.set_title(panel.title)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("step")
