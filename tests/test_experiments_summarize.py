@@ -174,3 +174,107 @@ def test_update_doc_replaces_only_its_block(tmp_path):
     assert text.startswith("intro\n") and "first" not in text
     assert text.count("second") == 1 and text.count("other") == 1
     assert text.index("second") < text.index("other")  # replaced in place
+
+
+def test_t_interval_hand_computed():
+    from experiments.summarize import t_interval
+
+    # mean 2, sample std 1, n 3: half-width t_{0.975, 2} * 1 / sqrt(3) = 4.303 / 1.732 = 2.4843
+    mean, low, high, n = t_interval([1.0, 2.0, 3.0])
+    assert (
+        (mean, n) == (2.0, 3)
+        and low == pytest.approx(2 - 2.4843, abs=1e-3)
+        and high == pytest.approx(2 + 2.4843, abs=1e-3)
+    )
+    assert math.isnan(t_interval([1.0])[1]) and t_interval([])[3] == 0
+    scipy_stats = pytest.importorskip("scipy.stats")  # independent check of the quantile table
+    from experiments.summarize import _T975
+
+    assert [round(float(scipy_stats.t.ppf(0.975, df)), 3) for df in range(1, 31)] == list(_T975)
+
+
+PAIRED = Study(
+    "pairs",
+    "fixed vs bapo at two staleness levels.",
+    tuple(
+        Cell(
+            {"updates": u, "method": m}, {"train.updates_per_batch": int(u), "loss.bapo.enabled": m == "bapo"}
+        )
+        for u in ("1", "4")
+        for m in ("fixed", "bapo")
+    ),
+    row_axis="updates",
+    paired_against="fixed",
+)
+PAIRED_BUDGET = Budget(max_steps=10, eval_every=5, seeds=(0, 1, 2))
+
+
+def _pair_history(start, end, entropy, pos, neg, right, wrong):
+    return {
+        "eval/avg_at_k": {0: start, 10: end},
+        "reward/mean": _const(0.5),
+        "entropy": _const(entropy),
+        "bapo/positive_mass": _const(pos),
+        "bapo/negative_mass": _const(neg),
+        "train/response_length_correct": _const(right),
+        "train/response_length_wrong": _const(wrong),
+    }
+
+
+def test_paired_differences_and_signature_from_mlflow_store(tmp_path):
+    """Gains (end - start) per seed: fixed at 4 updates 0.0 / -0.1 / -0.2, bapo at 4 updates +0.1 / 0.0 / -0.1:
+    paired differences +0.1 each, so mean +0.1 and a zero-width interval; at 1 update bapo - fixed =
+    +0.2, -0.2, 0 -> mean 0, half-width 4.303 * 0.2 / sqrt(3) = 0.4969."""
+    from mlflow.tracking import MlflowClient
+
+    from experiments.summarize import paired_differences
+
+    root = tmp_path / "runs"
+    (root / "full" / "pairs").mkdir(parents=True)
+    client = MlflowClient(tracking_uri=tracking_uri(root, "full", "pairs"))
+    exp = client.create_experiment(
+        experiment_name("pairs", "full"), artifact_location=(tmp_path / "a").as_uri()
+    )
+    gains = {
+        ("1", "fixed"): (0.1, 0.1, 0.1),
+        ("1", "bapo"): (0.3, -0.1, 0.1),
+        ("4", "fixed"): (0.0, -0.1, -0.2),
+        ("4", "bapo"): (0.1, 0.0, -0.1),
+    }
+    for spec in expand(PAIRED, "full", PAIRED_BUDGET):
+        key = (spec.cell.labels["updates"], spec.cell.labels["method"])
+        gain = gains[key][spec.seed]
+        # fixed clip: P = 1, N = 3 (share 0.25), wrong answers 30 tokens vs 10 right
+        _log(client, exp, spec.run_name, _pair_history(0.4, 0.4 + gain, 0.5, 1.0, 3.0, 10.0, 30.0))
+    summary = summarize_study(PAIRED, "full", root, PAIRED_BUDGET)
+    diffs = {(d.cell, d.key): d for d in paired_differences(summary)}
+    assert set(diffs) == {
+        (c, k)
+        for c in ("updates=1/method=bapo", "updates=4/method=bapo")
+        for k in ("heldout_gain", "entropy_end", "reward_end")
+    }
+    d4 = diffs[("updates=4/method=bapo", "heldout_gain")]
+    assert d4.baseline == "updates=4/method=fixed" and d4.n == 3
+    assert (d4.mean, d4.low, d4.high) == (pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.1))
+    d1 = diffs[("updates=1/method=bapo", "heldout_gain")]
+    assert d1.mean == pytest.approx(0.0, abs=1e-12)
+    assert (d1.low, d1.high) == (pytest.approx(-0.4969, abs=1e-3), pytest.approx(0.4969, abs=1e-3))
+    fixed = summary.cells["updates=4/method=fixed"]
+    assert fixed["share"][0] == pytest.approx(0.25) and fixed["length_wrong_over_correct"][
+        0
+    ] == pytest.approx(3.0)
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    write_outputs(summary, docs)
+    out = docs / "results" / "full"
+    assert (out / "pairs_signature.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "pairs_paired.png").read_bytes()[:4] == b"\x89PNG"
+    text = (docs / "results.md").read_text()
+    assert "| updates=4/method=fixed | 3 | 0.250 ± 0.000 | 3.00 ± 0.00 |" in text
+    assert "| updates=4/method=bapo | 3 | +0.100 [+0.100, +0.100] |" in text
+    data = json.loads((out / "pairs.json").read_text())
+    assert {d["cell"] for d in data["paired_differences"]} == {
+        "updates=1/method=bapo",
+        "updates=4/method=bapo",
+    }
