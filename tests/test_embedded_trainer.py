@@ -282,3 +282,27 @@ def test_replay_proximal_reference_stale_downweight_and_jsonl_tasks(tmp_path):
         for g in json.loads(line)["groups"]
     }
     assert trained and all(p.startswith("train-") for p in trained)  # ids from the JSONL file name and line
+
+
+def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_outcome():
+    """A mini-batch whose groups all got one reward has zero advantage: P = N = 0, reported as rho = 1.
+    The step's share averages only the updates with signal; right and wrong lengths are logged apart."""
+    from bapo_nemo.embedded.rl_step import StepOutcome
+    from bapo_nemo.embedded.trainer import _step_metrics
+    from bapo_nemo.rollout import Rollout, RolloutGroup
+
+    def rollout(n_tokens):
+        return Rollout("p", [1], [5] * n_tokens, [-1.0] * n_tokens, [0] * n_tokens, [1.0] * n_tokens, 1, [n_tokens], {})
+
+    group = RolloutGroup("p", [rollout(10), rollout(30), rollout(50)])
+    updates = [
+        {"bapo/rho": 0.2, "bapo/rho_initial": 0.1, "bapo/positive_mass": 1.0, "bapo/negative_mass": 4.0},
+        {"bapo/rho": 1.0, "bapo/rho_initial": 1.0, "bapo/positive_mass": 0.0, "bapo/negative_mass": 0.0},
+        {"bapo/rho": 0.4, "bapo/rho_initial": 0.3, "bapo/positive_mass": 2.0, "bapo/negative_mass": 3.0},
+    ]
+    outcome = StepOutcome([group], [], [[1.0, 0.0, 0.0]], updates, 0.0, 90, {},
+                          {"start": 0.0, "generated": 1.0, "end": 2.0, "cpu": 2.0})
+    m = _step_metrics(outcome, version=3)
+    assert m["bapo/rho"] == pytest.approx(0.3) and m["bapo/rho_initial"] == pytest.approx(0.2)
+    assert m["bapo/positive_mass"] == pytest.approx(1.0)  # other keys: the plain mean over updates
+    assert m["train/response_length_correct"] == 10 and m["train/response_length_wrong"] == 40
