@@ -128,8 +128,8 @@ def test_run_names_and_fingerprints_are_unique():
     runs = {(r.study, r.run_name): r for name in STUDIES for r in expand(name, "full")}
     # 36 staleness + BAPO at budgets 16 and off x 3 seeds + value, reference, authors' recipe, 2 granularity arms,
     # rho0 0.3 and 0.5 x 3 seeds; the reused cells add nothing; round 2 (imbalance): fixed clip at 1/4/16
-    # updates + the 3 other methods at 4 and 16, x 5 seeds
-    assert len(runs) == 36 + 2 * 3 + 7 * 3 + (3 + 3 * 2) * 5 == 108
+    # updates + the 3 other methods at 16, x 5 seeds
+    assert len(runs) == 36 + 2 * 3 + 7 * 3 + (3 + 3) * 5 == 93
     within = Counter((r.study, r.fingerprint) for r in runs.values())
     assert max(within.values()) == 1  # every run computes something different
     runs = list(runs.values())
@@ -175,4 +175,4 @@ def test_imbalance_study_has_its_own_warmups_with_looping_demonstrations():
         for r in runs:
             cfg = load_config(BASE_CONFIG, r.override_list())
             assert cfg.optim.lr == dict(IMBALANCE_REGIME)["optim.lr"] and cfg.train.max_steps == budget.max_steps
-    assert len(expand("imbalance", "full")) == 9 * 5 and len(expand("imbalance", "quick")) == 3 * 2
+    assert len(expand("imbalance", "full")) == 6 * 5 and len(expand("imbalance", "quick")) == 3 * 2
