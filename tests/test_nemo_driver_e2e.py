@@ -308,11 +308,15 @@ def test_bad_input_is_one_clear_error_before_ray_starts(
 
 
 def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, tiny_assets):
-    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 1 -> checkpoint
-    step_1 and exit; the same command resumes at step 2 with the in-flight segments, the saved weights
-    and optimizer, the dataloader's position and the same MLflow run. Responses sampled over several
-    steps reach the loss with each token's own behaviour log-prob. The checkpoint carries the parity
-    recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
+    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 2 -> checkpoint
+    step_2 and exit; the same command resumes at step 3 with the in-flight segments, the saved weights
+    and optimizer, the dataloader's position and the same MLflow run. Step 2 needs one segment
+    iteration only (step 1 left complete groups), so step 2's new prompts are cut after their first
+    segment: the checkpoint keeps it exactly (tokens, behaviour log-probs, policy version 1 as the
+    generator recorded them), the resumed policy (version 2) continues it, and the loss receives both
+    versions' tokens in one response. Responses sampled over several steps reach the loss with each token's own
+    behaviour log-prob. The checkpoint carries the parity recorder's file, and `bapo-nemo export` names
+    what a CPU checkpoint lacks."""
     import json
     import signal
 
@@ -325,14 +329,14 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
                          checkpointing={"save_period": 100},
                          partial_rollouts={"token_budget": 2, "max_resumptions": 4, "stale_segments": "keep"})
-    sent = []
+    stop_step, calls_seen = 2, []
 
-    def signal_during_first_step():
-        if not sent:
-            sent.append(True)
+    def signal_during_stop_step():
+        calls_seen.append(True)
+        if len(calls_seen) == stop_step:
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    standins.ON_TRAIN.append(signal_during_first_step)
+    standins.ON_TRAIN.append(signal_during_stop_step)
     previous_handler = signal.getsignal(signal.SIGUSR1)
     try:
         assert run_driver(config) == 0
@@ -340,20 +344,32 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
         stop_signal._requested.clear()
         signal.signal(signal.SIGUSR1, previous_handler)
     ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_1"]
-    assert len(standins.TRAIN_CALLS) == 4  # one GRPO step's loss calls, then the driver returned
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    assert len(standins.TRAIN_CALLS) == 8  # two GRPO steps' loss calls, then the driver returned
     first_run_prompts = list(standins.GENERATED_PROMPTS)
     assert all(len(s["tokens"]) <= 2 for s in standins.SEGMENTS)  # the budget reached the generator
     # The hook's state went into the checkpoint: groups sampled but not yet trained (the prefilled
     # batch's), with each response's tokens and behaviour log-probs.
-    state = json.loads((ckpt / "step_1" / "partial_rollouts.json").read_text())["manager"]
+    state = json.loads((ckpt / "step_2" / "partial_rollouts.json").read_text())["manager"]
     carried = [(g["prompt_token_ids"] + s["response_token_ids"], s["behavior_logprobs"])
                for key in ("pending", "active", "completed") for g in state[key] for s in g["sequences"]]
     assert carried
     run1_calls = list(standins.TRAIN_CALLS)
+    run1_segments = list(standins.SEGMENTS)
+    # Responses cut mid-way: started, unfinished. The checkpoint holds exactly what the generator
+    # produced for them before the stop: the same tokens, log-probs and (per token) policy version.
+    cut = [(g["prompt_token_ids"], s) for g in state["active"] for s in g["sequences"]
+           if s["response_token_ids"] and s["finish_reason"] is None]
+    assert cut, "no response was in flight mid-way at the checkpoint"
+    for prompt, seq in cut:
+        produced = segments_of(prompt, seq["response_token_ids"], run1_segments)
+        assert [t for g in produced for t in g["tokens"]] == seq["response_token_ids"]
+        assert [x for g in produced for x in g["logprobs"]] == seq["behavior_logprobs"]  # exact: JSON floats
+        assert seq["segment_versions"] == [g["version"] for g in produced] == [stop_step - 1] * len(produced)
+        assert seq["segment_lengths"] == [len(g["tokens"]) for g in produced]
 
     # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
-    step_dir = ckpt / "step_1"
+    step_dir = ckpt / "step_2"
     reference = read_reference_logprobs(step_dir)
     assert reference is not None
     from transformers import AutoModelForCausalLM
@@ -373,7 +389,7 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     assert out.returncode == 2, out.stderr
     assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
 
-    # The same command again: resumes at step 2.
+    # The same command again: resumes at step 3.
     standins.POLICY_INITS.clear()
     standins.GENERATED_PROMPTS.clear()
     standins.TRAIN_CALLS.clear()  # SEGMENTS are kept: resumed responses are made of both runs' segments
@@ -381,12 +397,12 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     (init,) = standins.POLICY_INITS
     assert Path(init["weights_path"]) == step_dir / "policy" / "weights"
     assert Path(init["optimizer_path"]) == step_dir / "policy" / "optimizer"
-    assert len(standins.TRAIN_CALLS) == 8  # steps 2 and 3 only
+    assert len(standins.TRAIN_CALLS) == 4  # step 3 only
     # The resumed run's first step trained on the carried groups, with their saved behaviour log-probs.
-    step2 = standins.TRAIN_CALLS[:4]
+    resumed_step = standins.TRAIN_CALLS[:4]
     for tokens, behavior in carried:
         found = False
-        for call in step2:
+        for call in resumed_step:
             data = call["data"]
             for i in range(data["input_ids"].shape[0]):
                 if data["input_ids"][i, : len(tokens)].tolist() == tokens:
@@ -394,13 +410,36 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
                     got = data["generation_logprobs"][i, start : len(tokens)].tolist()
                     found = found or got == pytest.approx(behavior, abs=1e-5)
         assert found, f"carried response {tokens} did not reach the resumed run's loss"
-    # A restarted dataloader (same seed) would hand out step 1's prompts again; the resumed one does not.
+    # A restarted dataloader (same seed) would hand out the first prompts again; the resumed one does not.
     prompt_len = min(len(p) for p in first_run_prompts)  # "a+b=?" prompts all have one length
     first_prompts = [p for p in first_run_prompts if len(p) == prompt_len]
     fresh = [p for p in standins.GENERATED_PROMPTS if len(p) == prompt_len]
     assert fresh and fresh[: len(first_prompts)] != first_prompts[: len(fresh)]
     # Responses sampled in several iterations reach the loss with each segment's own log-probs.
     assert count_spanning_rows(run1_calls + standins.TRAIN_CALLS, standins.SEGMENTS) >= 1
+    # The cut responses continue after the resume: sampled by the resumed policy (version 2) from the
+    # saved prefix, and trained on with the saved first segment and the new one side by side.
+    run2_segments = standins.SEGMENTS[len(run1_segments):]
+    mixed = 0
+    for prompt, seq in cut:
+        prefix = prompt + seq["response_token_ids"]
+        continued = [g for g in run2_segments if g["context"] == prefix]  # several if samples coincide
+        assert continued and all(g["version"] == stop_step for g in continued)
+        for cont in continued:
+            whole, start = prefix + cont["tokens"], len(prompt)
+            behavior = seq["behavior_logprobs"] + cont["logprobs"]
+            for call in standins.TRAIN_CALLS:
+                data = call["data"]
+                for i in range(data["input_ids"].shape[0]):
+                    if data["input_ids"][i, : len(whole)].tolist() != whole:
+                        continue
+                    got = data["generation_logprobs"][i, start : len(whole)].tolist()
+                    if got != pytest.approx(behavior, abs=1e-6):
+                        continue  # a twin sample whose continuation began the same way
+                    assert data["token_mask"][i, start : len(whole)].tolist() == [1] * (len(whole) - start)
+                    assert call["policy_version"] == stop_step  # the resumed step, on both versions
+                    mixed += 1
+    assert mixed >= 1, "no response cut at the checkpoint reached the resumed run's loss"
     assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
 
     client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
@@ -409,6 +448,19 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
     assert steps == [1, 2, 3]
 
+
+
+def segments_of(prompt: list[int], response: list[int], segments: list[dict]) -> list[dict]:
+    """The generator's segments that, chained from `prompt`, make up `response` (each segment's context
+    is the prompt plus the response so far); the most recent one where a context was sampled twice."""
+    chain, done = [], 0
+    while done < len(response):
+        context = prompt + response[:done]
+        (seg,) = [g for g in segments if g["context"] == context and g["tokens"] and
+                  g["tokens"] == response[done : done + len(g["tokens"])]][-1:]
+        chain.append(seg)
+        done += len(seg["tokens"])
+    return chain
 
 
 def count_spanning_rows(train_calls, segments) -> int:
