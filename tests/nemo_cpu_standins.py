@@ -65,8 +65,14 @@ VERSION_FILE = "standin_policy_version.json"
 ON_TRAIN: list[Any] = []
 
 
-def write_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen2 over the embedded character tokenizer, saved as an HF checkpoint."""
+def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 380) -> Path:
+    """A 2-layer Qwen2 over the embedded character tokenizer, saved as an HF checkpoint.
+
+    It is first taught the answer format ("a+b=c", then EOS, for the sums write_math_jsonl draws) for
+    `warm_start_steps` AdamW steps: 380 leave it right on about half of its sampled answers (53% of 120
+    measured at temperature 1), so GRPO groups get mixed rewards and non-zero advantages, and BAPO's bound search
+    has positive and negative tokens to weigh. An untrained model is never rewarded, and with all
+    advantages 0 every search returns its starting bounds whatever the ratio."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -86,8 +92,37 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    model = Qwen2ForCausalLM(config)
+    _warm_start(model, tokenizer, warm_start_steps, seed)
+    model.save_pretrained(directory)
     return directory
+
+
+def _warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
+    """Supervised steps on prompt "a+b=?" -> response "a+b=c" + EOS (loss on the response only)."""
+    import random
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            a, b = rng.randint(0, 4), rng.randint(0, 5)
+            prompt = tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False)
+            response = tokenizer.encode(f"{a}+{b}={a + b}", add_special_tokens=False) + [tokenizer.eos_token_id]
+            rows.append((prompt, response))
+        width = max(len(p) + len(r) for p, r in rows)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (p, r) in enumerate(rows):
+            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
 
 
 def write_math_jsonl(path: Path, n: int, seed: int = 0) -> Path:

@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A private Ray head (2 logical CPUs' worth of actors, 1 logical GPU), stopped with the module.
+    """A private Ray head (4 logical CPUs, 2 logical GPUs: async GRPO trains and generates on separate
+    ones), stopped with the module.
 
     `ray start --block` keeps the head's processes as its children: terminating it stops exactly them.
     NeMo-RL's init_ray() joins it through RAY_ADDRESS (an externally managed cluster is reused)."""
@@ -44,7 +45,7 @@ def ray_head():
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-            "--num-cpus=4", "--num-gpus=1", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+            "--num-cpus=4", "--num-gpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=false",
             "--disable-usage-stats",
         ],
         stdout=subprocess.DEVNULL,
@@ -200,6 +201,33 @@ def run_driver(config: Path, *overrides: str) -> int:
             ray.shutdown()
 
 
+def bapo_options(config: Path):
+    """The BAPO options the driver builds from this config (its loss_fn over configs/bapo_7b.yaml's)."""
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
+
+    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
+
+    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
+    _merge(base, yaml.safe_load(config.read_text())["loss_fn"])
+    return bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
+
+
+def loss_inputs(call, reference: str = "generation_logprobs"):
+    """(ratio, advantages, mask) of one loss call, the ratio taken against `reference` log-probs."""
+    from bapo_nemo.algorithm.bapo import importance_ratio
+
+    data = call["data"]
+    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    ratio = importance_ratio(call["logprobs"], data[reference][:, 1:])
+    return ratio, data["advantages"][:, 1:], mask
+
+
+def used(call, name: str) -> float:
+    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global)."""
+    n_local = float(loss_inputs(call)[2].sum())
+    return call["metrics"][f"bapo/{name}"] * call["global_valid_toks"] / n_local
+
+
 @pytest.mark.parametrize("granularity", ["microbatch", "step"])
 def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     tmp_path, ray_head, standins, tiny_assets, granularity
@@ -210,8 +238,6 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     import torch
 
     from bapo_nemo.algorithm import search_clip_bounds
-    from bapo_nemo.algorithm.bapo import importance_ratio
-    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
 
     config = tiny_config(tmp_path, tiny_assets, granularity)
     assert run_driver(config) == 0
@@ -219,24 +245,8 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     calls = standins.TRAIN_CALLS
     # 2 GRPO steps x (8 samples / 4 per optimizer step) x (4 / 2 per micro-batch) = 8 loss calls.
     assert len(calls) == 8
-    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
-
-    cfg = yaml.safe_load(config.read_text())
-    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
-    _merge(base, cfg["loss_fn"])
-    options = bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
-
-    def inputs(call):
-        data = call["data"]
-        mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-        ratio = importance_ratio(call["logprobs"], data["generation_logprobs"][:, 1:])
-        return ratio, data["advantages"][:, 1:], mask
-
-    def used_bounds(call):
-        m, data = call["metrics"], call["data"]
-        n_local = float((data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
-        scale = call["global_valid_toks"] / n_local
-        return m["bapo/c_low"] * scale, m["bapo/c_high"] * scale
+    options = bapo_options(config)
+    inputs, used_bounds = loss_inputs, lambda call: (used(call, "c_low"), used(call, "c_high"))
 
     groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
     for group in groups:
@@ -272,6 +282,86 @@ def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
         block = (yaml.safe_load((REPO / "configs" / name).read_text()).get("loss_fn") or {}).get("bapo") or {}
         assert block.get("granularity", shipped) in ("microbatch", "step"), name
     assert shipped == "step"  # chosen in docs/nemo_rl.md ("How many responses one search sees")
+
+
+def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
+    """Async GRPO (`grpo.async_grpo.enabled`, max_trajectory_age_steps 1) for 2 steps through upstream's
+    async_grpo_train: its AsyncTrajectoryCollector and ReplayBuffer Ray actors, the generator in an actor
+    of its own (non-colocated), refits between steps. Checked on what the loss saw:
+    - step 2 trains policy version 1 on responses the version-0 weights sampled (the collector generates
+      for targets 0 and 1 at version 0), and the buffer's own accounting (train/avg_trajectory_age) agrees;
+    - the ratio is taken against the generation-time log-probs: every call's bounds and initial positive
+      share are search_clip_bounds' on ratio = pi_theta / pi_gen, and on the off-policy step the share
+      against prev_logprobs would differ;
+    - the BAPO metrics reach the MLflow run.
+    Environment: the collector and buffer are registered to run in NeMo-RL's vLLM venv; inside the
+    NGC-PyTorch image (docker/Dockerfile.ngc_pytorch, line 141: NEMO_RL_PY_EXECUTABLES_SYSTEM=1) they run
+    in the system Python, which is what this test sets up. The NCCL weight broadcast of non-colocated
+    refits is the stand-ins' (see tests/nemo_cpu_standins.py)."""
+    import mlflow
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+
+    from bapo_nemo.algorithm import search_clip_bounds
+
+    for actor in ("AsyncTrajectoryCollector", "ReplayBuffer"):
+        monkeypatch.setitem(
+            registry.ACTOR_ENVIRONMENT_REGISTRY, f"nemo_rl.algorithms.async_utils.{actor}", PY_EXECUTABLES.SYSTEM
+        )
+    config = tiny_config(
+        tmp_path, tiny_assets,
+        grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
+        loss_fn={"use_importance_sampling_correction": True},
+        # A larger step than the sync tests' so that one update moves the policy visibly off its samples.
+        policy={"optimizer": {"kwargs": {"lr": 5.0e-2}},
+                "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
+                               "vllm_cfg": {"async_engine": True}}},
+        cluster={"gpus_per_node": 2},
+    )
+    assert run_driver(config) == 0
+
+    calls = standins.TRAIN_CALLS
+    # async_grpo_train reports its errors and returns: the loss calls are the proof that it trained.
+    assert len(calls) == 8  # 2 steps x 2 optimizer steps x 2 micro-batches
+    assert [c["policy_version"] for c in calls] == [0] * 4 + [1] * 4
+
+    def sampled_by(call) -> list[int]:
+        """Per row of the loss's data: the policy version of the weights that sampled its response."""
+        data, versions = call["data"], []
+        for i in range(data["input_ids"].shape[0]):
+            ids = data["input_ids"][i].tolist()
+            found = {g["version"] for g in standins.SEGMENTS
+                     if g["tokens"] and ids[: len(g["context"]) + len(g["tokens"])] == g["context"] + g["tokens"]}
+            assert len(found) == 1, f"row {i}: sampled by versions {found}"
+            versions += found
+        return versions
+
+    assert all(v == 0 for c in calls[:4] for v in sampled_by(c))
+    assert all(v == 0 for c in calls[4:] for v in sampled_by(c))  # one step older than the policy
+
+    options = bapo_options(config)
+    gaps = []
+    for call in calls:
+        ratio, advantages, mask = loss_inputs(call)
+        want = search_clip_bounds(ratio, advantages, mask, options)
+        assert (used(call, "c_low"), used(call, "c_high")) == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+        assert used(call, "rho_initial") == pytest.approx(want.rho_initial, abs=1e-6)
+        # The clipped ratio (NeMo-RL's own probs_ratio_min/max of the loss call) is pi_theta / pi_gen.
+        valid = ratio[mask > 0]
+        got = (call["metrics"]["probs_ratio_min"], call["metrics"]["probs_ratio_max"])
+        assert got == pytest.approx((float(valid.min()), float(valid.max())), rel=1e-5)
+        against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
+        gaps.append(float((valid - against_prev).abs().max()))
+    assert any(bool((loss_inputs(c)[1] != 0).any()) for c in calls)  # some searches had advantages to weigh
+    # The generator's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
+    # version old, so a ratio against prev_logprobs (the current policy's) would be another ratio.
+    assert max(gaps[:4]) < 1e-4 and min(gaps[4:]) > 1e-3, gaps
+
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
+    age = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/avg_trajectory_age")}
+    assert age == {1: 0.0, 2: 1.0}
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == [1, 2]
 
 
 @pytest.fixture
