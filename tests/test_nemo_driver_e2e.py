@@ -284,6 +284,28 @@ def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
     assert shipped == "step"  # chosen in docs/nemo_rl.md ("How many responses one search sees")
 
 
+def async_config(tmp_path: Path, assets: dict, monkeypatch) -> Path:
+    """The tiny config with async GRPO on: 1 logical GPU trains, 1 generates. The collector and buffer
+    actors run in this Python, as NeMo-RL's NGC-PyTorch image sets up (see the test below)."""
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+
+    for actor in ("AsyncTrajectoryCollector", "ReplayBuffer"):
+        monkeypatch.setitem(
+            registry.ACTOR_ENVIRONMENT_REGISTRY, f"nemo_rl.algorithms.async_utils.{actor}", PY_EXECUTABLES.SYSTEM
+        )
+    return tiny_config(
+        tmp_path, assets,
+        grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
+        loss_fn={"use_importance_sampling_correction": True},
+        # A larger step than the sync tests' so that one update moves the policy visibly off its samples.
+        policy={"optimizer": {"kwargs": {"lr": 5.0e-2}},
+                "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
+                               "vllm_cfg": {"async_engine": True}}},
+        cluster={"gpus_per_node": 2},
+    )
+
+
 def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
     """Async GRPO (`grpo.async_grpo.enabled`, max_trajectory_age_steps 1) for 2 steps through upstream's
     async_grpo_train: its AsyncTrajectoryCollector and ReplayBuffer Ray actors, the generator in an actor
@@ -299,25 +321,10 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     in the system Python, which is what this test sets up. The NCCL weight broadcast of non-colocated
     refits is the stand-ins' (see tests/nemo_cpu_standins.py)."""
     import mlflow
-    from nemo_rl.distributed import ray_actor_environment_registry as registry
-    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
 
     from bapo_nemo.algorithm import search_clip_bounds
 
-    for actor in ("AsyncTrajectoryCollector", "ReplayBuffer"):
-        monkeypatch.setitem(
-            registry.ACTOR_ENVIRONMENT_REGISTRY, f"nemo_rl.algorithms.async_utils.{actor}", PY_EXECUTABLES.SYSTEM
-        )
-    config = tiny_config(
-        tmp_path, tiny_assets,
-        grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
-        loss_fn={"use_importance_sampling_correction": True},
-        # A larger step than the sync tests' so that one update moves the policy visibly off its samples.
-        policy={"optimizer": {"kwargs": {"lr": 5.0e-2}},
-                "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
-                               "vllm_cfg": {"async_engine": True}}},
-        cluster={"gpus_per_node": 2},
-    )
+    config = async_config(tmp_path, tiny_assets, monkeypatch)
     assert run_driver(config) == 0
 
     calls = standins.TRAIN_CALLS
@@ -362,6 +369,22 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     age = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/avg_trajectory_age")}
     assert age == {1: 0.0, 2: 1.0}
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == [1, 2]
+
+
+def test_an_error_inside_the_async_loop_fails_the_driver(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
+    """v0.7.0's async_grpo_train catches every exception of its loop, prints it and returns (grpo.py,
+    lines 4321-4325), so a crashed job would exit 0 and look finished. The driver compares the steps
+    trained with grpo.max_num_steps and fails when the loop ended early without a stop request."""
+    from bapo_nemo.nemo.driver import AsyncLoopError
+
+    def fail_in_training():
+        raise RuntimeError("a training worker died")
+
+    standins.ON_TRAIN.append(fail_in_training)
+    config = async_config(tmp_path, tiny_assets, monkeypatch)
+    with pytest.raises(AsyncLoopError, match=r"async GRPO ended after step 0 of 2 without a stop request"):
+        run_driver(config)
+    assert standins.TRAIN_CALLS == []
 
 
 @pytest.fixture
