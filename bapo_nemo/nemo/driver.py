@@ -92,18 +92,20 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
     )
 
 
-def count_train_calls(policy) -> list[None]:
-    """Wrap policy.train to record every call that returned (one per GRPO step); returns the record."""
-    calls: list[None] = []
-    train = policy.train
+def record_finished_steps(logger) -> list[int]:
+    """Wrap logger.log_metrics to record the steps the train loop finished. async_grpo_train's last act
+    of a step, after training, refit, checkpoint and the other logs, is one log_metrics call with
+    step_finished=True (grpo.py, lines 4301-4307): a step that failed anywhere before is not recorded."""
+    finished: list[int] = []
+    log_metrics = logger.log_metrics
 
-    def counted(*args, **kwargs):
-        result = train(*args, **kwargs)
-        calls.append(None)
-        return result
+    def recording(metrics, step, *args, **kwargs):
+        log_metrics(metrics, step, *args, **kwargs)
+        if kwargs.get("step_finished", args[2] if len(args) > 2 else False):
+            finished.append(int(step))
 
-    policy.train = counted
-    return calls
+    logger.log_metrics = recording
+    return finished
 
 
 def check_async_loop_finished(steps_done: int, max_steps: int) -> None:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if master_config.grpo.get("async_grpo", {}).get("enabled", False):
         from nemo_rl.algorithms.grpo import async_grpo_train
 
-        trained = count_train_calls(policy)
+        finished = record_finished_steps(logger)
         first_step = int(grpo_state["current_step"])
         async_grpo_train(
             policy=policy,
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             teacher_worker_groups=teacher_worker_groups,
             alias_to_group_alias=alias_to_group_alias,
         )
-        check_async_loop_finished(first_step + len(trained), int(master_config.grpo["max_num_steps"]))
+        check_async_loop_finished(max([first_step, *finished]), int(master_config.grpo["max_num_steps"]))
     else:
         grpo_train(
             policy,
