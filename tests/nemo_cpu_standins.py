@@ -4,9 +4,16 @@
 the tests; only what cannot run here is replaced, at that boundary and nowhere else:
 - `nemo_rl.algorithms.grpo.Policy` (DTensor/Megatron training workers on GPUs) -> `CPUPolicyStandIn`,
 - `nemo_rl.algorithms.grpo.VllmGeneration` (vLLM workers on GPUs) -> `CPUGenerationStandIn`.
-Both hold a tiny Qwen2 in the driver process. Everything else (Ray and its placement groups, data
+Both hold a tiny Qwen2. The policy lives in the driver process; the generator too when generation is
+colocated, and in a Ray actor of its own when it is not (async GRPO): there, as with vLLM's workers, the
+driver's object and the copy pickled into NeMo-RL's `AsyncTrajectoryCollector` actor drive the same
+sampler, and a refit reaches the one both use. Everything else (Ray and its placement groups, data
 processing, the math environment's Ray actors, the advantage estimator, the Logger writing to MLflow,
-the CheckpointManager, the loss) is NeMo-RL's own code.
+the CheckpointManager, the async loop's collector and replay buffer, the loss) is NeMo-RL's own code.
+
+Weight versions: the policy counts its train() calls (saved with its weights, so a resumed policy
+continues the count) and every refit hands that count to the generator with the weights, so each
+sampled segment records the policy version that produced it (the partial-rollout hook's numbering).
 
 The stand-in policy's `train()` follows v0.7.0's DTensor worker (`nemo_rl/models/policy/workers/
 dtensor_policy_worker.py`, `DTensorPolicyWorker.train`, lines 579-990) with one data-parallel rank:
@@ -18,6 +25,7 @@ result dict; `Policy.train` (`nemo_rl/models/policy/lm_policy.py`, lines 702-793
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections import defaultdict
@@ -30,6 +38,7 @@ import torch
 from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.named_sharding import NamedSharding
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.interfaces import ColocatablePolicyInterface
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -39,23 +48,31 @@ from bapo_nemo.embedded.tokenizer import build_tokenizer
 # Plain concatenation: the tiny tokenizer has no chat template of its own.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
-# The driver process holds both stand-ins; "refit" hands the policy's weights to the generator here.
-_REFIT: dict[str, dict[str, torch.Tensor]] = {}
+# The driver process holds the policy; "refit" hands its weights (and their version) to the generator here.
+_REFIT: dict[str, Any] = {}
 # Every train() call's data and loss metrics, for the tests to inspect (the loss's own inputs).
 TRAIN_CALLS: list[dict[str, Any]] = []
 # Every policy construction's weights/optimizer paths (resume loads them) and every generated prompt.
 POLICY_INITS: list[dict[str, Any]] = []
 GENERATED_PROMPTS: list[list[int]] = []
-# Every sampled segment: its context, new tokens, their log-probs, and the generator's weight version
-# (refits so far, counted across driver runs in this process so a resumed run's versions stay distinct).
+# Every sampled segment: its context, new tokens, their log-probs, and the policy version of the weights
+# that sampled it (train() calls those weights had seen). A generator in its own actor hands its record
+# over when it shuts down.
 SEGMENTS: list[dict[str, Any]] = []
-WEIGHT_VERSION = [0]
+# The policy stand-in's version, saved beside its weights in every checkpoint.
+VERSION_FILE = "standin_policy_version.json"
 # Called at the start of every train(), e.g. to deliver a signal "during step N".
 ON_TRAIN: list[Any] = []
 
 
-def write_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen2 over the embedded character tokenizer, saved as an HF checkpoint."""
+def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 380) -> Path:
+    """A 2-layer Qwen2 over the embedded character tokenizer, saved as an HF checkpoint.
+
+    It is first taught the answer format ("a+b=c", then EOS, for the sums write_math_jsonl draws) for
+    `warm_start_steps` AdamW steps: 380 leave it right on about half of its sampled answers (53% of 120
+    measured at temperature 1), so GRPO groups get mixed rewards and non-zero advantages, and BAPO's bound search
+    has positive and negative tokens to weigh. An untrained model is never rewarded, and with all
+    advantages 0 every search returns its starting bounds whatever the ratio."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -75,8 +92,37 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    model = Qwen2ForCausalLM(config)
+    _warm_start(model, tokenizer, warm_start_steps, seed)
+    model.save_pretrained(directory)
     return directory
+
+
+def _warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
+    """Supervised steps on prompt "a+b=?" -> response "a+b=c" + EOS (loss on the response only)."""
+    import random
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            a, b = rng.randint(0, 4), rng.randint(0, 5)
+            prompt = tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False)
+            response = tokenizer.encode(f"{a}+{b}={a + b}", add_special_tokens=False) + [tokenizer.eos_token_id]
+            rows.append((prompt, response))
+        width = max(len(p) + len(r) for p, r in rows)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (p, r) in enumerate(rows):
+            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
 
 
 def write_math_jsonl(path: Path, n: int, seed: int = 0) -> Path:
@@ -133,6 +179,13 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
         POLICY_INITS.append({"weights_path": weights_path, "optimizer_path": optimizer_path})
         source = weights_path if weights_path else config["model_name"]
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        # train() calls these weights have seen: 0 for the base model, restored from a checkpoint
+        saved_version = Path(weights_path or "/nonexistent") / VERSION_FILE
+        self.version = json.loads(saved_version.read_text())["version"] if saved_version.exists() else 0
+        # Policy's layout (lm_policy.py, lines 214-227) for one rank: async_grpo_train reads the DP size.
+        self.sharding_annotations = NamedSharding(
+            layout=[[[[0]]]], names=["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"]
+        )
         lr = float(config.get("optimizer", {}).get("kwargs", {}).get("lr", 1e-3))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         if optimizer_path and os.path.exists(os.path.join(optimizer_path, "optim.pt")):
@@ -190,7 +243,7 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
                     )
                 TRAIN_CALLS.append({
                     "data": mb, "metrics": dict(loss_metrics), "global_valid_toks": float(global_valid_toks),
-                    "logprobs": loss_input["next_token_logprobs"].detach().clone(),
+                    "logprobs": loss_input["next_token_logprobs"].detach().clone(), "policy_version": self.version,
                 })
                 # lines 909-918: scale by the number of global batches, except *_min/*_max
                 for k in loss_metrics:
@@ -214,6 +267,8 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
                 self.optimizer.step()
             losses.append(torch.tensor(mb_losses).sum().item())
         self.optimizer.zero_grad()
+        if not eval_mode:
+            self.version += 1
         mb_metrics = defaultdict(list)  # lines 971-975, then lm_policy.py 787-791
         for m in all_mb_metrics:
             for k, v in m.items():
@@ -223,18 +278,23 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, weights_path, optimizer_path=None, tokenizer_path=None, **_: Any) -> None:
         self.model.save_pretrained(weights_path)
+        (Path(weights_path) / VERSION_FILE).write_text(json.dumps({"version": self.version}))
         if optimizer_path:
             os.makedirs(optimizer_path, exist_ok=True)
             torch.save(self.optimizer.state_dict(), os.path.join(optimizer_path, "optim.pt"))
         if tokenizer_path:
             self.tokenizer.save_pretrained(tokenizer_path)
 
-    # -- refit (colocated: the weights go to the generator through _REFIT) -----------------------
+    # -- refit: the weights (and their version) go to the generator through _REFIT ---------------
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales=None) -> list:
         _REFIT["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        _REFIT["version"] = self.version
         return []
 
     def broadcast_weights_for_collective(self, kv_scales=None) -> list:
+        # Non-colocated refit: v0.7.0 broadcasts over NCCL from the training ranks to the vLLM workers
+        # (grpo.py refit_policy_generation, lines 1942-1948); here the weights are handed over on the
+        # driver and the generator's update_weights_from_collective ships them to its actor.
         return self.stream_weights_via_ipc_zmq()
 
     def stream_weights_via_http(self, *args, **kwargs):
@@ -277,25 +337,31 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
         return True
 
 
-class CPUGenerationStandIn(GenerationInterface):
-    """vLLM's place: samples from its own copy of the tiny model; refit copies the policy's weights."""
+class TinySampler:
+    """The sampling itself: ancestral sampling from a tiny Qwen2, one token at a time, recording every
+    segment it produces. Runs in the driver (colocated) or inside `_SamplerActor` (not colocated)."""
 
-    def __init__(self, cluster=None, config=None, **_: Any):
-        self.cfg = config
-        self.model = AutoModelForCausalLM.from_pretrained(config["model_name"], dtype=torch.float32)
-        self.model.eval()
-        self.generator = torch.Generator().manual_seed(1234)
+    def __init__(self, model_name: str, seed: int = 1234):
+        torch.set_num_threads(1)  # CI's few cores are shared with the trainer and Ray's actors
+        self.model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).eval()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self.segments: list[dict[str, Any]] = []
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> bool:
+        self.model.load_state_dict(weights)
+        self.version = version
+        return True
 
     @torch.no_grad()
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+    def generate(self, cfg: dict, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-        max_new = int(self.cfg["max_new_tokens"])
-        pad, stops = int(self.cfg["_pad_token_id"]), set(self.cfg.get("stop_token_ids") or [])
-        temperature = float(self.cfg.get("temperature", 1.0))
+        max_new = int(cfg["max_new_tokens"])
+        pad, stops = int(cfg["_pad_token_id"]), set(cfg.get("stop_token_ids") or [])
+        temperature = float(cfg.get("temperature", 1.0))
         rows, lps, gen_lens = [], [], []
         for i in range(input_ids.shape[0]):
             seq = input_ids[i, : int(input_lengths[i])].tolist()
-            GENERATED_PROMPTS.append(list(seq))
             n_in, seq_lp = len(seq), []
             while len(seq) - n_in < max_new:
                 logits = self.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()
@@ -305,8 +371,8 @@ class CPUGenerationStandIn(GenerationInterface):
                 seq_lp.append(float(torch.log(probs[tok])))
                 if tok in stops:
                     break
-            SEGMENTS.append({"context": seq[:n_in], "tokens": seq[n_in:], "logprobs": seq_lp,
-                             "version": WEIGHT_VERSION[0]})
+            self.segments.append({"context": seq[:n_in], "tokens": seq[n_in:], "logprobs": seq_lp,
+                                  "version": self.version})
             rows.append(seq)
             lps.append([0.0] * n_in + seq_lp)
             gen_lens.append(len(seq) - n_in)
@@ -327,10 +393,69 @@ class CPUGenerationStandIn(GenerationInterface):
             }
         )
 
+    def take_segments(self) -> list[dict[str, Any]]:
+        taken, self.segments = self.segments, []
+        return taken
+
+
+# No logical CPU: the head's few CPUs go to NeMo-RL's own actors (environment, collector, buffer).
+_SamplerActor = ray.remote(num_cpus=0)(TinySampler)
+RAY_TIMEOUT_S = 300
+
+
+class CPUGenerationStandIn(GenerationInterface):
+    """vLLM's place: samples from its own copy of the tiny model; refit copies the policy's weights.
+
+    Colocated generation samples in the driver process; non-colocated generation (async GRPO) samples in
+    a Ray actor, and this object is a handle on it that pickles into NeMo-RL's trajectory collector
+    (v0.7.0 passes `policy_generation` to `AsyncTrajectoryCollector.remote(...)`, grpo.py line 3523).
+    `generate_async` is the async-engine API run_async_multi_turn_rollout calls (rollouts.py, lines
+    356-372): it yields (index, one-row output) as each row finishes."""
+
+    def __init__(self, cluster=None, config=None, **_: Any):
+        self.cfg = config
+        self.colocated = bool((config.get("colocated") or {}).get("enabled", True))
+        if self.colocated:
+            self.sampler, self.actor = TinySampler(config["model_name"]), None
+        else:
+            self.sampler, self.actor = None, _SamplerActor.remote(config["model_name"])
+
+    def __getstate__(self) -> dict:
+        if self.actor is None:
+            raise TypeError("a colocated CPU generator lives in the driver process and is not sent to actors")
+        return {"cfg": self.cfg, "colocated": False, "sampler": None, "actor": self.actor}
+
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        if self.sampler is not None:
+            out = self.sampler.generate(self.cfg, data, greedy)
+            self._record(self.sampler.take_segments())
+            return out
+        return ray.get(self.actor.generate.remote(self.cfg, data, greedy), timeout=RAY_TIMEOUT_S)
+
+    async def generate_async(self, data: BatchedDataDict, greedy: bool = False):
+        if self.actor is None:
+            raise NotImplementedError("the async engine is modelled for non-colocated generation only")
+        refs = [self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy) for i in range(data.size)]
+        pending = {asyncio.ensure_future(self._await(i, ref)) for i, ref in enumerate(refs)}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                yield task.result()
+
+    @staticmethod
+    async def _await(index: int, ref) -> tuple[int, BatchedDataDict]:
+        return index, await asyncio.wait_for(ref, timeout=RAY_TIMEOUT_S)
+
+    @staticmethod
+    def _record(segments: list[dict[str, Any]]) -> None:
+        SEGMENTS.extend(segments)
+        GENERATED_PROMPTS.extend(list(s["context"]) for s in segments)
+
     def update_weights_via_ipc_zmq(self) -> list:
-        self.model.load_state_dict(_REFIT["weights"])
-        WEIGHT_VERSION[0] += 1
-        return [ray.put(True)]
+        if self.sampler is not None:
+            self.sampler.load_weights(_REFIT["weights"], _REFIT["version"])
+            return [ray.put(True)]
+        return [self.actor.load_weights.remote(_REFIT["weights"], _REFIT["version"])]
 
     def update_weights_from_collective(self) -> list:
         return self.update_weights_via_ipc_zmq()
@@ -367,4 +492,8 @@ class CPUGenerationStandIn(GenerationInterface):
         return {}
 
     def shutdown(self) -> bool:
+        if self.actor is not None:  # the actor's record of what it sampled, then the actor itself
+            self._record(ray.get(self.actor.take_segments.remote(), timeout=RAY_TIMEOUT_S))
+            ray.kill(self.actor)
+            self.actor = None
         return True

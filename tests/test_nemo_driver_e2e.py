@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A private Ray head (2 logical CPUs' worth of actors, 1 logical GPU), stopped with the module.
+    """A private Ray head (4 logical CPUs, 2 logical GPUs: async GRPO trains and generates on separate
+    ones), stopped with the module.
 
     `ray start --block` keeps the head's processes as its children: terminating it stops exactly them.
     NeMo-RL's init_ray() joins it through RAY_ADDRESS (an externally managed cluster is reused)."""
@@ -44,7 +45,7 @@ def ray_head():
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-            "--num-cpus=4", "--num-gpus=1", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+            "--num-cpus=4", "--num-gpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=false",
             "--disable-usage-stats",
         ],
         stdout=subprocess.DEVNULL,
@@ -200,6 +201,33 @@ def run_driver(config: Path, *overrides: str) -> int:
             ray.shutdown()
 
 
+def bapo_options(config: Path):
+    """The BAPO options the driver builds from this config (its loss_fn over configs/bapo_7b.yaml's)."""
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
+
+    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
+
+    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
+    _merge(base, yaml.safe_load(config.read_text())["loss_fn"])
+    return bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
+
+
+def loss_inputs(call, reference: str = "generation_logprobs"):
+    """(ratio, advantages, mask) of one loss call, the ratio taken against `reference` log-probs."""
+    from bapo_nemo.algorithm.bapo import importance_ratio
+
+    data = call["data"]
+    mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+    ratio = importance_ratio(call["logprobs"], data[reference][:, 1:])
+    return ratio, data["advantages"][:, 1:], mask
+
+
+def used(call, name: str) -> float:
+    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global)."""
+    n_local = float(loss_inputs(call)[2].sum())
+    return call["metrics"][f"bapo/{name}"] * call["global_valid_toks"] / n_local
+
+
 @pytest.mark.parametrize("granularity", ["microbatch", "step"])
 def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     tmp_path, ray_head, standins, tiny_assets, granularity
@@ -210,8 +238,6 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     import torch
 
     from bapo_nemo.algorithm import search_clip_bounds
-    from bapo_nemo.algorithm.bapo import importance_ratio
-    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
 
     config = tiny_config(tmp_path, tiny_assets, granularity)
     assert run_driver(config) == 0
@@ -219,24 +245,8 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     calls = standins.TRAIN_CALLS
     # 2 GRPO steps x (8 samples / 4 per optimizer step) x (4 / 2 per micro-batch) = 8 loss calls.
     assert len(calls) == 8
-    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
-
-    cfg = yaml.safe_load(config.read_text())
-    base = yaml.safe_load((REPO / "configs" / "bapo_7b.yaml").read_text())["loss_fn"]
-    _merge(base, cfg["loss_fn"])
-    options = bapo_options_from_loss_config(ClippedPGLossConfig(**base)).bapo
-
-    def inputs(call):
-        data = call["data"]
-        mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-        ratio = importance_ratio(call["logprobs"], data["generation_logprobs"][:, 1:])
-        return ratio, data["advantages"][:, 1:], mask
-
-    def used_bounds(call):
-        m, data = call["metrics"], call["data"]
-        n_local = float((data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
-        scale = call["global_valid_toks"] / n_local
-        return m["bapo/c_low"] * scale, m["bapo/c_high"] * scale
+    options = bapo_options(config)
+    inputs, used_bounds = loss_inputs, lambda call: (used(call, "c_low"), used(call, "c_high"))
 
     groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
     for group in groups:
@@ -274,6 +284,109 @@ def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
     assert shipped == "step"  # chosen in docs/nemo_rl.md ("How many responses one search sees")
 
 
+def async_config(tmp_path: Path, assets: dict, monkeypatch) -> Path:
+    """The tiny config with async GRPO on: 1 logical GPU trains, 1 generates. The collector and buffer
+    actors run in this Python, as NeMo-RL's NGC-PyTorch image sets up (see the test below)."""
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+
+    for actor in ("AsyncTrajectoryCollector", "ReplayBuffer"):
+        monkeypatch.setitem(
+            registry.ACTOR_ENVIRONMENT_REGISTRY, f"nemo_rl.algorithms.async_utils.{actor}", PY_EXECUTABLES.SYSTEM
+        )
+    return tiny_config(
+        tmp_path, assets,
+        grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
+        loss_fn={"use_importance_sampling_correction": True},
+        # A larger step than the sync tests' so that one update moves the policy visibly off its samples.
+        policy={"optimizer": {"kwargs": {"lr": 5.0e-2}},
+                "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
+                               "vllm_cfg": {"async_engine": True}}},
+        cluster={"gpus_per_node": 2},
+    )
+
+
+def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
+    """Async GRPO (`grpo.async_grpo.enabled`, max_trajectory_age_steps 1) for 2 steps through upstream's
+    async_grpo_train: its AsyncTrajectoryCollector and ReplayBuffer Ray actors, the generator in an actor
+    of its own (non-colocated), refits between steps. Checked on what the loss saw:
+    - step 2 trains policy version 1 on responses the version-0 weights sampled (the collector generates
+      for targets 0 and 1 at version 0), and the buffer's own accounting (train/avg_trajectory_age) agrees;
+    - the ratio is taken against the generation-time log-probs: every call's bounds and initial positive
+      share are search_clip_bounds' on ratio = pi_theta / pi_gen, and on the off-policy step the share
+      against prev_logprobs would differ;
+    - the BAPO metrics reach the MLflow run.
+    Environment: the collector and buffer are registered to run in NeMo-RL's vLLM venv; inside the
+    NGC-PyTorch image (docker/Dockerfile.ngc_pytorch, line 141: NEMO_RL_PY_EXECUTABLES_SYSTEM=1) they run
+    in the system Python, which is what this test sets up. The NCCL weight broadcast of non-colocated
+    refits is the stand-ins' (see tests/nemo_cpu_standins.py)."""
+    import mlflow
+
+    from bapo_nemo.algorithm import search_clip_bounds
+
+    config = async_config(tmp_path, tiny_assets, monkeypatch)
+    assert run_driver(config) == 0
+
+    calls = standins.TRAIN_CALLS
+    # async_grpo_train reports its errors and returns: the loss calls are the proof that it trained.
+    assert len(calls) == 8  # 2 steps x 2 optimizer steps x 2 micro-batches
+    assert [c["policy_version"] for c in calls] == [0] * 4 + [1] * 4
+
+    def sampled_by(call) -> list[int]:
+        """Per row of the loss's data: the policy version of the weights that sampled its response."""
+        data, versions = call["data"], []
+        for i in range(data["input_ids"].shape[0]):
+            ids = data["input_ids"][i].tolist()
+            found = {g["version"] for g in standins.SEGMENTS
+                     if g["tokens"] and ids[: len(g["context"]) + len(g["tokens"])] == g["context"] + g["tokens"]}
+            assert len(found) == 1, f"row {i}: sampled by versions {found}"
+            versions += found
+        return versions
+
+    assert all(v == 0 for c in calls[:4] for v in sampled_by(c))
+    assert all(v == 0 for c in calls[4:] for v in sampled_by(c))  # one step older than the policy
+
+    options = bapo_options(config)
+    gaps = []
+    for call in calls:
+        ratio, advantages, mask = loss_inputs(call)
+        want = search_clip_bounds(ratio, advantages, mask, options)
+        assert (used(call, "c_low"), used(call, "c_high")) == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+        assert used(call, "rho_initial") == pytest.approx(want.rho_initial, abs=1e-6)
+        # The clipped ratio (NeMo-RL's own probs_ratio_min/max of the loss call) is pi_theta / pi_gen.
+        valid = ratio[mask > 0]
+        got = (call["metrics"]["probs_ratio_min"], call["metrics"]["probs_ratio_max"])
+        assert got == pytest.approx((float(valid.min()), float(valid.max())), rel=1e-5)
+        against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
+        gaps.append(float((valid - against_prev).abs().max()))
+    assert any(bool((loss_inputs(c)[1] != 0).any()) for c in calls)  # some searches had advantages to weigh
+    # The generator's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
+    # version old, so a ratio against prev_logprobs (the current policy's) would be another ratio.
+    assert max(gaps[:4]) < 1e-4 and min(gaps[4:]) > 1e-3, gaps
+
+    client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
+    age = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/avg_trajectory_age")}
+    assert age == {1: 0.0, 2: 1.0}
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == [1, 2]
+
+
+def test_an_error_inside_the_async_loop_fails_the_driver(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
+    """v0.7.0's async_grpo_train catches every exception of its loop, prints it and returns (grpo.py,
+    lines 4321-4325), so a crashed job would exit 0 and look finished. The driver compares the steps
+    trained with grpo.max_num_steps and fails when the loop ended early without a stop request."""
+    from bapo_nemo.nemo.driver import AsyncLoopError
+
+    def fail_in_training():
+        raise RuntimeError("a training worker died")
+
+    standins.ON_TRAIN.append(fail_in_training)
+    config = async_config(tmp_path, tiny_assets, monkeypatch)
+    with pytest.raises(AsyncLoopError, match=r"async GRPO ended after step 0 of 2 without a stop request"):
+        run_driver(config)
+    assert standins.TRAIN_CALLS == []
+
+
 @pytest.fixture
 def ray_must_not_start(monkeypatch):
     """Bad input must fail before Ray starts: starting it fails the test."""
@@ -308,11 +421,15 @@ def test_bad_input_is_one_clear_error_before_ray_starts(
 
 
 def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, tiny_assets):
-    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 1 -> checkpoint
-    step_1 and exit; the same command resumes at step 2 with the in-flight segments, the saved weights
-    and optimizer, the dataloader's position and the same MLflow run. Responses sampled over several
-    steps reach the loss with each token's own behaviour log-prob. The checkpoint carries the parity
-    recorder's file, and `bapo-nemo export` names what a CPU checkpoint lacks."""
+    """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 2 -> checkpoint
+    step_2 and exit; the same command resumes at step 3 with the in-flight segments, the saved weights
+    and optimizer, the dataloader's position and the same MLflow run. Step 2 needs one segment
+    iteration only (step 1 left complete groups), so step 2's new prompts are cut after their first
+    segment: the checkpoint keeps it exactly (tokens, behaviour log-probs, policy version 1 as the
+    generator recorded them), the resumed policy (version 2) continues it, and the loss receives both
+    versions' tokens in one response. Responses sampled over several steps reach the loss with each token's own
+    behaviour log-prob. The checkpoint carries the parity recorder's file, and `bapo-nemo export` names
+    what a CPU checkpoint lacks."""
     import json
     import signal
 
@@ -325,14 +442,14 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
                          checkpointing={"save_period": 100},
                          partial_rollouts={"token_budget": 2, "max_resumptions": 4, "stale_segments": "keep"})
-    sent = []
+    stop_step, calls_seen = 2, []
 
-    def signal_during_first_step():
-        if not sent:
-            sent.append(True)
+    def signal_during_stop_step():
+        calls_seen.append(True)
+        if len(calls_seen) == stop_step:
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    standins.ON_TRAIN.append(signal_during_first_step)
+    standins.ON_TRAIN.append(signal_during_stop_step)
     previous_handler = signal.getsignal(signal.SIGUSR1)
     try:
         assert run_driver(config) == 0
@@ -340,20 +457,32 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
         stop_signal._requested.clear()
         signal.signal(signal.SIGUSR1, previous_handler)
     ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_1"]
-    assert len(standins.TRAIN_CALLS) == 4  # one GRPO step's loss calls, then the driver returned
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    assert len(standins.TRAIN_CALLS) == 8  # two GRPO steps' loss calls, then the driver returned
     first_run_prompts = list(standins.GENERATED_PROMPTS)
     assert all(len(s["tokens"]) <= 2 for s in standins.SEGMENTS)  # the budget reached the generator
     # The hook's state went into the checkpoint: groups sampled but not yet trained (the prefilled
     # batch's), with each response's tokens and behaviour log-probs.
-    state = json.loads((ckpt / "step_1" / "partial_rollouts.json").read_text())["manager"]
+    state = json.loads((ckpt / "step_2" / "partial_rollouts.json").read_text())["manager"]
     carried = [(g["prompt_token_ids"] + s["response_token_ids"], s["behavior_logprobs"])
                for key in ("pending", "active", "completed") for g in state[key] for s in g["sequences"]]
     assert carried
     run1_calls = list(standins.TRAIN_CALLS)
+    run1_segments = list(standins.SEGMENTS)
+    # Responses cut mid-way: started, unfinished. The checkpoint holds exactly what the generator
+    # produced for them before the stop: the same tokens, log-probs and (per token) policy version.
+    cut = [(g["prompt_token_ids"], s) for g in state["active"] for s in g["sequences"]
+           if s["response_token_ids"] and s["finish_reason"] is None]
+    assert cut, "no response was in flight mid-way at the checkpoint"
+    for prompt, seq in cut:
+        produced = segments_of(prompt, seq["response_token_ids"], run1_segments)
+        assert [t for g in produced for t in g["tokens"]] == seq["response_token_ids"]
+        assert [x for g in produced for x in g["logprobs"]] == seq["behavior_logprobs"]  # exact: JSON floats
+        assert seq["segment_versions"] == [g["version"] for g in produced] == [stop_step - 1] * len(produced)
+        assert seq["segment_lengths"] == [len(g["tokens"]) for g in produced]
 
     # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
-    step_dir = ckpt / "step_1"
+    step_dir = ckpt / "step_2"
     reference = read_reference_logprobs(step_dir)
     assert reference is not None
     from transformers import AutoModelForCausalLM
@@ -373,7 +502,7 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     assert out.returncode == 2, out.stderr
     assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
 
-    # The same command again: resumes at step 2.
+    # The same command again: resumes at step 3.
     standins.POLICY_INITS.clear()
     standins.GENERATED_PROMPTS.clear()
     standins.TRAIN_CALLS.clear()  # SEGMENTS are kept: resumed responses are made of both runs' segments
@@ -381,12 +510,12 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     (init,) = standins.POLICY_INITS
     assert Path(init["weights_path"]) == step_dir / "policy" / "weights"
     assert Path(init["optimizer_path"]) == step_dir / "policy" / "optimizer"
-    assert len(standins.TRAIN_CALLS) == 8  # steps 2 and 3 only
+    assert len(standins.TRAIN_CALLS) == 4  # step 3 only
     # The resumed run's first step trained on the carried groups, with their saved behaviour log-probs.
-    step2 = standins.TRAIN_CALLS[:4]
+    resumed_step = standins.TRAIN_CALLS[:4]
     for tokens, behavior in carried:
         found = False
-        for call in step2:
+        for call in resumed_step:
             data = call["data"]
             for i in range(data["input_ids"].shape[0]):
                 if data["input_ids"][i, : len(tokens)].tolist() == tokens:
@@ -394,13 +523,36 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
                     got = data["generation_logprobs"][i, start : len(tokens)].tolist()
                     found = found or got == pytest.approx(behavior, abs=1e-5)
         assert found, f"carried response {tokens} did not reach the resumed run's loss"
-    # A restarted dataloader (same seed) would hand out step 1's prompts again; the resumed one does not.
+    # A restarted dataloader (same seed) would hand out the first prompts again; the resumed one does not.
     prompt_len = min(len(p) for p in first_run_prompts)  # "a+b=?" prompts all have one length
     first_prompts = [p for p in first_run_prompts if len(p) == prompt_len]
     fresh = [p for p in standins.GENERATED_PROMPTS if len(p) == prompt_len]
     assert fresh and fresh[: len(first_prompts)] != first_prompts[: len(fresh)]
     # Responses sampled in several iterations reach the loss with each segment's own log-probs.
     assert count_spanning_rows(run1_calls + standins.TRAIN_CALLS, standins.SEGMENTS) >= 1
+    # The cut responses continue after the resume: sampled by the resumed policy (version 2) from the
+    # saved prefix, and trained on with the saved first segment and the new one side by side.
+    run2_segments = standins.SEGMENTS[len(run1_segments):]
+    mixed = 0
+    for prompt, seq in cut:
+        prefix = prompt + seq["response_token_ids"]
+        continued = [g for g in run2_segments if g["context"] == prefix]  # several if samples coincide
+        assert continued and all(g["version"] == stop_step for g in continued)
+        for cont in continued:
+            whole, start = prefix + cont["tokens"], len(prompt)
+            behavior = seq["behavior_logprobs"] + cont["logprobs"]
+            for call in standins.TRAIN_CALLS:
+                data = call["data"]
+                for i in range(data["input_ids"].shape[0]):
+                    if data["input_ids"][i, : len(whole)].tolist() != whole:
+                        continue
+                    got = data["generation_logprobs"][i, start : len(whole)].tolist()
+                    if got != pytest.approx(behavior, abs=1e-6):
+                        continue  # a twin sample whose continuation began the same way
+                    assert data["token_mask"][i, start : len(whole)].tolist() == [1] * (len(whole) - start)
+                    assert call["policy_version"] == stop_step  # the resumed step, on both versions
+                    mixed += 1
+    assert mixed >= 1, "no response cut at the checkpoint reached the resumed run's loss"
     assert json.loads((ckpt / "step_3" / "training_info.json").read_text())["total_steps"] == 3
 
     client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
@@ -409,6 +561,19 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss"))
     assert steps == [1, 2, 3]
 
+
+
+def segments_of(prompt: list[int], response: list[int], segments: list[dict]) -> list[dict]:
+    """The generator's segments that, chained from `prompt`, make up `response` (each segment's context
+    is the prompt plus the response so far); the most recent one where a context was sampled twice."""
+    chain, done = [], 0
+    while done < len(response):
+        context = prompt + response[:done]
+        (seg,) = [g for g in segments if g["context"] == context and g["tokens"] and
+                  g["tokens"] == response[done : done + len(g["tokens"])]][-1:]
+        chain.append(seg)
+        done += len(seg["tokens"])
+    return chain
 
 
 def count_spanning_rows(train_calls, segments) -> int:

@@ -35,8 +35,10 @@ class V070LikeTimeoutChecker:
 def fresh_signal_state():
     previous = signal.getsignal(signal.SIGUSR1)
     stop_signal._requested.clear()
+    stop_signal._early_stop.clear()
     yield
     stop_signal._requested.clear()
+    stop_signal._early_stop.clear()
     signal.signal(signal.SIGUSR1, previous)
 
 
@@ -54,6 +56,26 @@ def test_sigusr1_triggers_exactly_one_save(fresh_signal_state):
 def test_deadline_still_works_without_signal(fresh_signal_state):
     checker = stop_signal.signal_aware(V070LikeTimeoutChecker)(timeout_s=0.0)
     assert checker.check_save() is True and checker.check_save() is False
+
+
+@pytest.mark.parametrize("stop", ["signal", "deadline"])
+def test_an_early_stop_is_a_normal_end_of_the_async_loop(fresh_signal_state, stop):
+    """The driver's check after async_grpo_train: fewer steps than max_num_steps is a failure unless the
+    loop was told to checkpoint and stop (by the signal or by the deadline)."""
+    from bapo_nemo.nemo.driver import AsyncLoopError, check_async_loop_finished
+
+    checker = stop_signal.signal_aware(V070LikeTimeoutChecker)(timeout_s=0.0 if stop == "deadline" else None)
+    stop_signal.install_stop_signal()
+    check_async_loop_finished(5, 5)  # all steps done
+    assert checker.check_save() is (stop == "deadline")
+    if stop == "signal":
+        with pytest.raises(AsyncLoopError, match="ended after step 3 of 5 without a stop request"):
+            check_async_loop_finished(3, 5)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert checker.check_save() is True
+    assert stop_signal.early_stop_reached()
+    check_async_loop_finished(3, 5)  # stopped early on request: no error
 
 
 @pytest.mark.nemo_rl

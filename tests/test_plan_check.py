@@ -153,6 +153,19 @@ def test_rules_name_key_and_fix(tmp_path, override, key, fragment):
     assert fragment in errors[key]
 
 
+def test_each_finding_line_names_its_key_once(tmp_path):
+    """The driver prints `key: message`; a message that repeated the key read `grpo.x: grpo.x: ...`."""
+    from bapo_nemo.nemo.driver import DriverConfigError, raise_on_errors
+
+    _, findings, _, _ = run_check(_args(CONFIGS / "bapo_32b.yaml", 8, 8, "++grpo.num_prompt_per_step=2"))
+    with pytest.raises(DriverConfigError) as info:
+        raise_on_errors(findings)
+    (line,) = [x for x in str(info.value).splitlines() if "grpo.num_prompt_per_step" in x]
+    assert line.strip() == (
+        "grpo.num_prompt_per_step: not a NeMo-RL v0.7.0 config key (did you mean grpo.num_prompts_per_step?)"
+    )
+
+
 def test_model_heads_and_cluster_shape():
     # 7B has 28 heads / 4 KV heads: TP 8 fails, and the job shape must match cluster.*
     _, findings, _, _ = run_check(

@@ -29,6 +29,10 @@ class DriverConfigError(ValueError):
     """The config would fail on the cluster; every line names a key and its fix."""
 
 
+class AsyncLoopError(RuntimeError):
+    """async_grpo_train returned before grpo.max_num_steps without a stop request: its loop failed."""
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_nemo.train",
@@ -86,6 +90,37 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
     policy.train = StepBoundsTrainer(
         policy, options, master_config.loss_fn.model_dump(), master_config.policy["train_global_batch_size"]
     )
+
+
+def record_finished_steps(logger) -> list[int]:
+    """Wrap logger.log_metrics to record the steps the train loop finished. async_grpo_train's last act
+    of a step, after training, refit, checkpoint and the other logs, is one log_metrics call with
+    step_finished=True (grpo.py, lines 4301-4307): a step that failed anywhere before is not recorded."""
+    finished: list[int] = []
+    log_metrics = logger.log_metrics
+
+    def recording(metrics, step, *args, **kwargs):
+        log_metrics(metrics, step, *args, **kwargs)
+        if kwargs.get("step_finished", args[2] if len(args) > 2 else False):
+            finished.append(int(step))
+
+    logger.log_metrics = recording
+    return finished
+
+
+def check_async_loop_finished(steps_done: int, max_steps: int) -> None:
+    """v0.7.0's async_grpo_train catches every exception of its loop (and a failed first refit), prints
+    it and returns (grpo.py, lines 3555-3562 and 4321-4325): without this check a crashed job exits 0
+    and looks finished to Slurm and to a resubmitting script. A stop it was asked for (SIGUSR1 or
+    checkpoint_must_save_by, both through TimeoutChecker.check_save) is a normal end."""
+    from bapo_nemo.nemo.stop_signal import early_stop_reached
+
+    if steps_done < max_steps and not early_stop_reached():
+        raise AsyncLoopError(
+            f"async GRPO ended after step {steps_done} of {max_steps} without a stop request: NeMo-RL's "
+            "async_grpo_train printed the error of its loop above and returned; fix it and rerun the same "
+            "command (it resumes from the newest checkpoint)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if master_config.grpo.get("async_grpo", {}).get("enabled", False):
         from nemo_rl.algorithms.grpo import async_grpo_train
 
+        finished = record_finished_steps(logger)
+        first_step = int(grpo_state["current_step"])
         async_grpo_train(
             policy=policy,
             policy_generation=policy_generation,
@@ -200,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             teacher_worker_groups=teacher_worker_groups,
             alias_to_group_alias=alias_to_group_alias,
         )
+        check_async_loop_finished(max([first_step, *finished]), int(master_config.grpo["max_num_steps"]))
     else:
         grpo_train(
             policy,

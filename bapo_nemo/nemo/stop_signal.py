@@ -14,10 +14,16 @@ import signal
 import threading
 
 _requested = threading.Event()
+_early_stop = threading.Event()  # check_save() said "save and stop" (signal or timeout) in this process
 
 
 def stop_requested() -> bool:
     return _requested.is_set()
+
+
+def early_stop_reached() -> bool:
+    """Whether the train loop was told to checkpoint and stop early since the checker was installed."""
+    return _early_stop.is_set()
 
 
 def install_stop_signal(signum: int = signal.SIGUSR1) -> None:
@@ -39,8 +45,12 @@ def signal_aware(timeout_checker_cls: type) -> type:
         def check_save(self):
             if _requested.is_set() and not self.last_saved:
                 self.last_saved = True  # the parent's "save once" flag
+                _early_stop.set()
                 return True
-            return super().check_save()
+            stop = super().check_save()
+            if stop:
+                _early_stop.set()
+            return stop
 
     return SignalAwareTimeoutChecker
 
@@ -48,4 +58,5 @@ def signal_aware(timeout_checker_cls: type) -> type:
 def patch_grpo_timeout_checker(grpo_module) -> None:
     """Install the handler and the signal-aware checker into `nemo_rl.algorithms.grpo`."""
     install_stop_signal()
+    _early_stop.clear()
     grpo_module.TimeoutChecker = signal_aware(grpo_module.TimeoutChecker)

@@ -42,8 +42,9 @@ class UnknownKey:
     suggestion: str | None
 
     def message(self) -> str:
+        """The reason, without the path: findings carry the key separately and print `key: message`."""
         hint = f"did you mean {self.suggestion}?" if self.suggestion else "remove it or check the spelling"
-        return f"{self.path}: not a NeMo-RL v0.7.0 config key ({hint})"
+        return f"not a NeMo-RL v0.7.0 config key ({hint})"
 
 
 @lru_cache(maxsize=1)
