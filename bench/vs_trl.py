@@ -1,25 +1,29 @@
 """End-to-end RL tokens/s of the embedded trainer vs TRL's GRPOTrainer, side by side in one run, on CPU.
 
-Same tiny Qwen2 (same config and initial weights), same tokenizer, same prompts (the bundled arithmetic
-tasks), same batch (prompts x group size), same maximum completion length, temperature 1, one optimizer
-update per rollout batch, no KL term. Both start from the untrained model, so response lengths come from
-the same sampling distribution. Throughput = generated completion tokens / time spent in RL steps
-(generation + loss + optimizer), first step of each excluded (start-up), evaluation and checkpoints
-excluded. Time is process CPU time (both run single-threaded in this process, so it equals the wall time
-on an otherwise idle machine; wall time on a shared machine is reported too). Ours is measured twice: with partial rollouts (its default) and with them off.
+Same Qwen2 built from config (same config and initial weights), same tokenizer, same prompts (the bundled
+arithmetic tasks), same batch (prompts x group size), same maximum completion length, temperature 1, one
+optimizer update per rollout batch, no KL term, AdamW at a constant learning rate. Both start from the
+untrained model, so response lengths come from the same sampling distribution. Throughput = generated
+completion tokens / time spent in RL steps (generation + loss + optimizer), first step of each excluded
+(start-up), evaluation and checkpoints excluded. Time is process CPU time (both run single-threaded in
+this process, so it equals the wall time on an otherwise idle machine; wall time on a shared machine is
+reported too, with the load average around each run). Ours is measured with partial rollouts off and on.
+Every setting the comparison depends on is pinned here (PINNED), not read from configs/local_cpu.yaml.
+`--repeats N` (odd) runs the trainers N times, interleaved, and keeps each one's median.
 
 Two model sizes, both built from config with the same initial weights for both trainers: `tiny` (the
 default run's 2-layer, hidden-128 Qwen2, ~0.4M parameters) and `medium` (8 layers, hidden 512, ~25M).
 
     pip install -e '.[bench]'   # trl
-    python bench/vs_trl.py [--steps 12]                        # tiny: bench/results/vs_trl.json and .png
-    python bench/vs_trl.py --size medium --steps 4 --prompts 8   # bench/results/vs_trl_medium.json and .png
+    python bench/vs_trl.py [--steps 12] [--repeats 3]                          # tiny: bench/results/vs_trl.json, .png
+    python bench/vs_trl.py --size medium --steps 4 --prompts 8 --skip-microbatch  # vs_trl_medium.json, .png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -34,9 +38,58 @@ from bapo_nemo.embedded.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
-# model overrides of configs/local_cpu.yaml per size (tiny: the file's own model)
+# Every setting the comparison depends on, pinned over configs/local_cpu.yaml (whose RL regime may change):
+# model and tasks (both trainers), sampling, loss, optimizer and step shape (ours; TRL's mirror in run_trl).
+PINNED = [
+    "seed=0",
+    "runtime.device=cpu",
+    "runtime.autocast=none",
+    "runtime.progress=false",
+    "model.pretrained=null",
+    "model.dtype=float32",
+    "model.max_position_embeddings=256",
+    "model.rope_theta=10000.0",
+    "task.train_file=null",
+    "task.eval_file=null",
+    "task.min_ops=1",
+    "task.max_ops=6",
+    "task.tail_alpha=1.5",
+    "task.max_value=99",
+    "task.max_operand=9",
+    "task.eval_size=4",
+    "data.train_path=null",
+    "warmup.steps=0",
+    "rollout.temperature=1.0",
+    "rollout.partial.max_resumptions=4",
+    "rollout.partial.global_token_budget=null",
+    "rollout.partial.prompts_per_iteration=null",
+    "rollout.partial.stale_segments=keep",
+    "replay.groups_per_step=0",
+    "loss.ratio_reference=behavior",
+    "loss.entropy_coef=0.0",
+    "loss.bapo.enabled=true",
+    "loss.bapo.rho0=0.4",
+    "loss.bapo.order=paper",
+    "loss.bapo.measure=gradient",
+    "optim.weight_decay=0.0",
+    "optim.beta1=0.9",
+    "optim.beta2=0.99",
+    "optim.grad_clip=1.0",
+    "train.updates_per_batch=1",
+    "train.micro_batch_size=32",
+    "train.step_search_graph_tokens=65536",
+    "train.gradient_checkpointing=false",
+    "eval.k=1",
+]
+# model shape per size, built from config (the same weights for both trainers)
 SIZES = {
-    "tiny": [],
+    "tiny": [
+        "model.hidden_size=128",
+        "model.intermediate_size=384",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+    ],
     "medium": [
         "model.hidden_size=512",
         "model.intermediate_size=1536",
@@ -45,6 +98,10 @@ SIZES = {
         "model.num_kv_heads=4",
     ],
 }
+
+
+def bench_config(args, extra: list[str] = ()):
+    return load_config(REPO / "configs" / "local_cpu.yaml", [*PINNED, *SIZES[args.size], *extra])
 
 
 def throughput(tokens: float, wall_seconds: float, cpu_seconds: float, lengths: list[float]) -> dict:
@@ -61,26 +118,22 @@ def throughput(tokens: float, wall_seconds: float, cpu_seconds: float, lengths: 
 
 
 def run_ours(args, partial: bool, granularity: str = "step") -> dict:
-    overrides = [
-        "warmup.steps=0",
-        f"train.max_steps={args.steps + 1}",
-        "train.updates_per_batch=1",
-        f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.group_size={args.group_size}",
-        f"rollout.partial.max_response_tokens={args.max_len}",
-        f"rollout.partial.token_budget={args.token_budget if partial else args.max_len}",
-        f"rollout.partial.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
-        f"eval.every={10 * args.steps}",
-        "eval.k=1",
-        "task.eval_size=4",
-        "runtime.progress=false",
-        f"checkpoint.every={10 * args.steps}",
-        f"loss.bapo.granularity={granularity}",
-        f"optim.lr={args.lr}",
-        f"runtime.num_threads={args.threads}",
-        *SIZES[args.size],
-    ]
-    cfg = load_config(REPO / "configs" / "local_cpu.yaml", overrides)
+    cfg = bench_config(
+        args,
+        [
+            f"train.max_steps={args.steps + 1}",
+            f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.group_size={args.group_size}",
+            f"rollout.partial.max_response_tokens={args.max_len}",
+            f"rollout.partial.token_budget={args.token_budget if partial else args.max_len}",
+            f"rollout.partial.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
+            f"eval.every={10 * args.steps}",
+            f"checkpoint.every={10 * args.steps}",
+            f"loss.bapo.granularity={granularity}",
+            f"optim.lr={args.lr}",
+            f"runtime.num_threads={args.threads}",
+        ],
+    )
     with tempfile.TemporaryDirectory() as out:
         train(cfg, out)
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -98,7 +151,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = load_tokenizer()
-    cfg = load_config(REPO / "configs" / "local_cpu.yaml", SIZES[args.size])
+    cfg = bench_config(args)
     model = build_model(cfg.model, tokenizer, seed=cfg.seed)
     args.parameters = sum(p.numel() for p in model.parameters())
     tasks = TaskGenerator(cfg.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
@@ -147,6 +200,12 @@ def run_trl(args) -> dict:
             seed=cfg.seed,
             bf16=False,
             fp16=False,
+            # ours' optimizer settings (PINNED): AdamW, constant lr, grad-norm clip 1
+            adam_beta1=0.9,
+            adam_beta2=0.99,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            lr_scheduler_type="constant",
         )
         trainer = GRPOTrainer(
             model=model,
@@ -173,6 +232,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each trainer, interleaved (median kept)")
     parser.add_argument(
         "--size", choices=sorted(SIZES), default="tiny", help="model size (built from config)"
     )
@@ -182,24 +242,39 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    print("TRL GRPOTrainer ...")
-    trl = run_trl(args)
-    torch.set_num_threads(args.threads)
-    print("embedded trainer, partial rollouts off ...")
-    ours_full = run_ours(args, partial=False)
-    print("embedded trainer, partial rollouts on ...")
-    ours = run_ours(args, partial=True)
-    rows = {"trl_grpo": trl, "ours_no_partial": ours_full, "ours_partial": ours}
+    variants = {
+        "trl_grpo": ("TRL GRPOTrainer", lambda: run_trl(args)),
+        "ours_no_partial": ("embedded trainer, partial rollouts off", lambda: run_ours(args, partial=False)),
+        "ours_partial": ("embedded trainer, partial rollouts on", lambda: run_ours(args, partial=True)),
+    }
     if not args.skip_microbatch:
-        print(
-            "embedded trainer, partial rollouts off, one bound search per micro-batch (no extra forward) ..."
+        variants["ours_no_partial_microbatch"] = (
+            "embedded trainer, partial rollouts off, one bound search per micro-batch (no extra forward)",
+            lambda: run_ours(args, partial=False, granularity="microbatch"),
         )
-        rows["ours_no_partial_microbatch"] = run_ours(args, partial=False, granularity="microbatch")
+    # Repeats interleave the trainers, so a change in the machine's load hits all of them alike; each
+    # trainer's figure is its median repeat (by CPU time: the same seeds give the same tokens every time).
+    repeats: dict[str, list[dict]] = {name: [] for name in variants}
+    for rep in range(args.repeats):
+        for name, (label, run) in variants.items():
+            print(f"[{rep + 1}/{args.repeats}] {label} ...")
+            load_before = os.getloadavg()[0]
+            torch.set_num_threads(args.threads)
+            result = run()
+            result["load_average_1min"] = [load_before, os.getloadavg()[0]]
+            repeats[name].append(result)
+    rows = {
+        name: sorted(runs, key=lambda r: r["cpu_seconds"])[(len(runs) - 1) // 2] for name, runs in repeats.items()
+    }
+    trl, ours_full, ours = rows["trl_grpo"], rows["ours_no_partial"], rows["ours_partial"]
     for name, r in rows.items():
+        each = ", ".join(f"{x['tokens_per_s']:.0f}" for x in repeats[name])
         print(
             f"  {name:16s} {r['tokens_per_s']:8.0f} tokens per CPU-second ({r['tokens']:.0f} tokens, "
             f"{r['cpu_seconds']:.1f}s CPU, {r['wall_seconds']:.1f}s wall; mean completion "
-            f"{r['mean_completion_length']:.1f})"
+            f"{r['mean_completion_length']:.1f}; load {r['load_average_1min'][0]:.1f}-"
+            f"{r['load_average_1min'][1]:.1f})"
+            + (f"; repeats {each}" if args.repeats > 1 else "")
         )
     ratio = ours["tokens_per_s"] / trl["tokens_per_s"]
     ratio_full = ours_full["tokens_per_s"] / trl["tokens_per_s"]
@@ -221,6 +296,7 @@ def main() -> None:
         **rows,
         "ratio_partial_vs_trl": ratio,
         "ratio_no_partial_vs_trl": ratio_full,
+        "repeats": repeats,
     }
     (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=2))
     import matplotlib

@@ -151,3 +151,32 @@ def test_chunked_prefill_then_one_decode_batch_scores_like_a_full_forward():
     for ctx, out in ((contexts[0], outs[0]), (contexts[-1], outs[-1])):
         ref = _full_forward_logprobs(model, ctx, out.token_ids)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_grouped_query_attention_without_repeated_heads_computes_the_same_policy():
+    """`use_gqa_sdpa` (what `prepare_model` selects) leaves the key/value groups to PyTorch's SDPA instead
+    of copying each KV head per query head: log-probs, gradients and samples must be those of
+    transformers' own sdpa attention, for padded training rows and for left-padded decoding."""
+    from bapo_nemo.embedded.attention import use_gqa_sdpa
+
+    stock, grouped = build_model(CFG, TOK, seed=4), build_model(CFG, TOK, seed=4)
+    use_gqa_sdpa(grouped)
+    assert (stock.config._attn_implementation, grouped.config._attn_implementation) == ("sdpa", "sdpa_gqa")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 22, (4, 18), generator=g)
+    attention = (torch.arange(18)[None] < torch.tensor([[18], [11], [6], [15]])).long()
+    grads = []
+    for model in (stock, grouped):
+        lp, entropy = token_logprobs_and_entropy(model, ids, attention)
+        ((lp + entropy) * attention[:, 1:]).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    contexts = [[TOK.bos_token_id] + TOK.encode(q, add_special_tokens=False) for q in ["7+5-3?", "2?"] * 3]
+    outs = [
+        sample_continuations(m, contexts, 20, TOK.eos_token_id, TOK.pad_token_id, torch.Generator().manual_seed(7))
+        for m in (stock, grouped)
+    ]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)

@@ -53,3 +53,53 @@ def test_kept_graphs_give_the_extra_forward_update_exactly_with_half_the_forward
     assert m_kept == m_extra  # same bounds, loss, clip fractions, grad norm
     assert all(torch.equal(a, b) for a, b in zip(p_extra, p_kept))
     assert (f_extra, f_kept) == (6, 3)  # 12 sequences in micro-batches of 4: 3 no-grad + 3 grad forwards
+
+
+def _lengths_batch(lengths: list[int]) -> TokenBatch:
+    n, width = len(lengths), max(lengths)
+    attention = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    zeros = torch.zeros(n, width - 1)
+    return TokenBatch(attention * 5, attention, zeros, zeros, zeros, zeros.long(), torch.zeros(n, 1),
+                      torch.zeros(n), torch.arange(n))
+
+
+def test_micro_batches_cut_where_padding_outweighs_a_call():
+    from bapo_nemo.embedded.grpo import MICRO_BATCH_CALL_TOKENS, length_sorted_micro_batches
+
+    assert MICRO_BATCH_CALL_TOKENS == 32  # the costs below are written for it
+    # One long row among seven short ones: padding them to 60 costs 7 x 50 = 350 tokens; a second call 32.
+    lengths = [10, 10, 60, 10, 10, 10, 10, 10]
+    assert length_sorted_micro_batches(_lengths_batch(lengths), 8) == [[2], [0, 1, 3, 4, 5, 6, 7]]
+    # Lengths 40 and 36: splitting saves 4 x 4 = 16 padded tokens, less than a call: one micro-batch.
+    assert length_sorted_micro_batches(_lengths_batch([40] * 4 + [36] * 4), 8) == [list(range(8))]
+    # micro_batch_size still caps the rows; every row appears exactly once.
+    cuts = length_sorted_micro_batches(_lengths_batch([12] * 20), 8)
+    assert max(len(c) for c in cuts) <= 8 and sorted(r for c in cuts for r in c) == list(range(20))
+    assert len(cuts) == 3
+
+
+def test_update_does_not_depend_on_how_rows_are_cut_into_micro_batches():
+    """The loss is a token sum over the mini-batch divided by its token count, so cutting rows into
+    micro-batches by length (trimmed to each one's longest row) gives the one-micro-batch update up to
+    float rounding, while forwarding fewer padded tokens than fixed slices of the sorted rows."""
+    tokenizer = load_tokenizer()
+    model_cfg = ModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
+    base = build_model(model_cfg, tokenizer, seed=0)
+    batch = _stale_batch(base, n=16, seed=3)
+    loss_cfg = LossConfig.model_validate({"bapo": {"granularity": "step", "rho0": 0.6}})
+    params, padded = {}, {}
+    for micro_batch_size in (16, 8):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        shapes = []
+        model.register_forward_hook(lambda _m, _a, kw, _o, seen=shapes: seen.append(kw["input_ids"].shape),
+                                    with_kwargs=True)
+        policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, loss_cfg,
+                      micro_batch_size=micro_batch_size, grad_clip=1.0, step_search_graph_tokens=10**6)
+        params[micro_batch_size] = [p.detach().clone() for p in model.parameters()]
+        padded[micro_batch_size] = sum(rows * width for rows, width in shapes)
+    for a, b in zip(params[16], params[8]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    lengths = sorted(batch.attention_mask.sum(-1).tolist(), reverse=True)
+    fixed_slices = 8 * lengths[0] + 8 * lengths[8]  # what fixed slices of 8 sorted rows would forward
+    assert sum(lengths) <= padded[8] < fixed_slices

@@ -78,13 +78,37 @@ def build_batch(groups: list[RolloutGroup], rewards: list[list[float]], pad_toke
     return TokenBatch(ids, attention, mask, behavior, weights, versions, adv, reward_t, group_index)
 
 
+# What one more micro-batch costs (a forward + backward call: per-op overhead), counted in padded tokens:
+# a split is worth it when it saves more padding than this. About right for the tiny model (larger ones
+# pay less per call relative to a token, so this errs on the side of fewer calls).
+MICRO_BATCH_CALL_TOKENS = 32
+
+
 def length_sorted_micro_batches(batch: TokenBatch, micro_batch_size: int) -> list[list[int]]:
-    """Row indices in micro-batches of similar length: with heavy-tailed lengths, padding every
-    micro-batch to the batch's longest sequence would multiply the compute (each micro-batch is
-    trimmed to its own longest row)."""
+    """Row indices in micro-batches of similar length, each at most `micro_batch_size` rows and trimmed to
+    its own longest row. With heavy-tailed lengths, fixed-size slices of the length-sorted rows still pad
+    most rows of a slice to its few long ones (about half the tokens of a typical batch are padding), so
+    the cut points are chosen to minimise padded tokens + MICRO_BATCH_CALL_TOKENS per micro-batch."""
     lengths = batch.attention_mask.sum(-1).tolist()
     order = sorted(range(len(batch)), key=lambda i: -lengths[i])
-    return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    return [order[i:j] for i, j in _padding_cuts([lengths[k] for k in order], micro_batch_size)]
+
+
+def _padding_cuts(descending: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """[start, end) slices of `descending` lengths minimising sum(rows x first length) + a call cost
+    per slice (dynamic programming over the cut points; a slice is padded to its first, longest row)."""
+    n = len(descending)
+    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(max(0, end - max_rows), end):
+            cost = best[start] + (end - start) * descending[start] + MICRO_BATCH_CALL_TOKENS
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    slices, end = [], n
+    while end > 0:
+        slices.append((cut[end], end))
+        end = cut[end]
+    return slices[::-1]
 
 
 @torch.no_grad()

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from bapo_nemo.embedded.attention import use_gqa_sdpa
+
 
 def build_model(model_cfg, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2 causal LM sized by `model_cfg` (see `ModelConfig`)."""
@@ -82,10 +84,12 @@ def load_pretrained(name: str, dtype: str):
 
 
 def prepare_model(model, device: torch.device, dtype: str, autocast: str, gradient_checkpointing: bool):
-    """Move `model` to `device` and `dtype`, then: gradient checkpointing (activations recomputed in the
-    backward pass) and bf16 autocast around `forward` (the callers take fp32 log-probs of the logits).
-    Applied again to every copy loaded from disk (resume, warm-up cache): neither is saved with it."""
+    """Move `model` to `device` and `dtype`, then: grouped-query attention without repeated KV heads
+    (`use_gqa_sdpa`), gradient checkpointing (activations recomputed in the backward pass) and bf16
+    autocast around `forward` (the callers take fp32 log-probs of the logits). Applied again to every copy
+    loaded from disk (resume, warm-up cache): none of these is saved with it."""
     model = model.to(device=device, dtype=DTYPES[dtype])
+    use_gqa_sdpa(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if autocast == "bf16":
