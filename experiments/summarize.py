@@ -515,7 +515,8 @@ def plot_paired(differences: list[PairedDifference], title: str, path: Path) -> 
 
     if not differences:
         return None
-    fig, axes = plt.subplots(1, len(PAIRED_KEYS), figsize=(4.2 * len(PAIRED_KEYS), 0.45 * 8 + 1.2))
+    n_rows = len({d.cell for d in differences})
+    fig, axes = plt.subplots(1, len(PAIRED_KEYS), figsize=(3.6 * len(PAIRED_KEYS), 0.55 * n_rows + 1.6), sharey=True)
     for ax, (key, name) in zip(axes, PAIRED_KEYS):
         rows = [d for d in differences if d.key == key]
         ys = range(len(rows))
@@ -529,8 +530,10 @@ def plot_paired(differences: list[PairedDifference], title: str, path: Path) -> 
             color = "tab:green" if helped else "tab:red" if hurt else "tab:grey"
             ax.errorbar([d.mean], [y], xerr=[[lo], [hi]], fmt="o", color=color, capsize=3)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_yticks(list(ys), [d.cell for d in rows], fontsize=7)
-        ax.set_title(f"{name}: difference vs {rows[0].baseline.split('/')[-1] if rows else ''}", fontsize=9)
+        ax.set_yticks(list(ys), [_short(d.cell) for d in rows], fontsize=8)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
+        ax.set_title(name, fontsize=9)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -538,6 +541,13 @@ def plot_paired(differences: list[PairedDifference], title: str, path: Path) -> 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _short(cell: str) -> str:
+    """`updates=16/method=bapo` -> `16 updates, bapo` (tick labels)."""
+    labels = dict(part.split("=", 1) for part in cell.split("/"))
+    method = labels.pop("method", "")
+    return ", ".join([*(f"{v} {k}" for k, v in labels.items()), method])
 
 
 def plot_finals(summary: StudySummary, path: Path) -> Path:
