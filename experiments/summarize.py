@@ -25,6 +25,7 @@ import re
 import statistics
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from experiments.grid import STUDIES, Budget, RunSpec, Study, expand, get_study
@@ -244,6 +245,11 @@ class StudySummary:
     @property
     def missing(self) -> list[RunRecord]:
         return [r for r in self.records if not r.completed]
+
+    @cached_property
+    def paired(self) -> list[PairedDifference]:
+        """Paired differences against the study's baseline method (computed once for table, plot, JSON)."""
+        return paired_differences(self)
 
 
 def summarize_study(
@@ -730,7 +736,7 @@ def _paired_markdown(summary: StudySummary, figure_rel: Path) -> list[str]:
             f"{fmt(*s['heldout_gain'][:2], signed=True)} | {fmt(*s['entropy_start'][:2])} → "
             f"{fmt(*s['entropy_end'][:2])} | {collapsed} |"
         )
-    differences = paired_differences(summary)
+    differences = summary.paired
     lines += [
         "",
         (
@@ -774,7 +780,7 @@ def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]
     if summary.study.paired_against is not None:
         plot_signature(summary, out_dir / f"{summary.study.name}_signature.png")
         plot_paired(
-            paired_differences(summary),
+            summary.paired,
             f"{summary.study.name} ({summary.mode}): difference vs {summary.study.paired_against} clip, "
             "same seed (95% t interval)",
             out_dir / f"{summary.study.name}_paired.png",
@@ -796,7 +802,7 @@ def write_outputs(summary: StudySummary, docs: Path = DOCS) -> tuple[Path, Path]
         "run_seconds": {r.spec.run_name: r.seconds for r in summary.completed if r.seconds},
         "paired_differences": [
             {**d.__dict__, **{k: _json_num(getattr(d, k)) for k in ("mean", "low", "high")}}
-            for d in paired_differences(summary)
+            for d in summary.paired
         ],
     }
     table = out_dir / f"{summary.study.name}.json"

@@ -43,12 +43,21 @@ TINY = {
 }
 
 
+def _cli_env(extra: dict | None = None) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
+
+
 def bapo_nemo(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bapo_nemo.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, env=_cli_env(env),
     )
+
+
+def start_training(cfg: Path, cwd: Path) -> subprocess.Popen:
+    """`bapo-nemo train CFG --output-dir out` in the background (the caller stops and reaps it)."""
+    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
 
 
 def write_config(directory: Path, data: dict | None = None, name: str = "tiny.yaml") -> Path:
@@ -306,9 +315,7 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
     """Two real `bapo-nemo train` processes into one --output-dir: the second exits 2 naming the first's
     PID; the first (stopped with SIGTERM afterwards) has one MLflow run and one metrics line per step."""
     cfg = write_config(tmp_path, with_(train={"max_steps": 500}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    first = subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = start_training(cfg, tmp_path)
     try:
         lock = tmp_path / "out" / ".lock"
         deadline = time.time() + 120
@@ -389,9 +396,7 @@ def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_pa
 
 def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
     cfg = write_config(tmp_path, with_(train={"max_steps": 500}, checkpoint={"every": 100}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
         deadline = time.time() + 240
