@@ -321,6 +321,7 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     in the system Python, which is what this test sets up. The NCCL weight broadcast of non-colocated
     refits is the stand-ins' (see tests/nemo_cpu_standins.py)."""
     import mlflow
+    import torch
 
     from bapo_nemo.algorithm import search_clip_bounds
 
@@ -354,9 +355,12 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
         assert (used(call, "c_low"), used(call, "c_high")) == pytest.approx((want.c_low, want.c_high), abs=1e-6)
         assert used(call, "rho_initial") == pytest.approx(want.rho_initial, abs=1e-6)
         # The clipped ratio (NeMo-RL's own probs_ratio_min/max of the loss call) is pi_theta / pi_gen.
+        # Upstream exponentiates the raw log-ratio (loss_functions.py 463-473), while importance_ratio
+        # clamps it at +-20 to keep the search finite, so a stale token below e^-20 differs: compare raw.
         valid = ratio[mask > 0]
+        raw = torch.exp(call["logprobs"] - call["data"]["generation_logprobs"][:, 1:])[mask > 0]
         got = (call["metrics"]["probs_ratio_min"], call["metrics"]["probs_ratio_max"])
-        assert got == pytest.approx((float(valid.min()), float(valid.max())), rel=1e-5)
+        assert got == pytest.approx((float(raw.min()), float(raw.max())), rel=1e-5)
         against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
         gaps.append(float((valid - against_prev).abs().max()))
     assert any(bool((loss_inputs(c)[1] != 0).any()) for c in calls)  # some searches had advantages to weigh
