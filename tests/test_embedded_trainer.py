@@ -181,6 +181,42 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     assert not (out / "hf_final").exists()  # not done: a requeued job resumes
 
 
+def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_same_mlflow_run(tmp_path):
+    """A preempted job must not finish a long warm-up first: the stop is checked before every warm-up step.
+    Nothing half-done is left to be mistaken for a result (no checkpoint, no warm-up cache), and the
+    requeued command (--resume) starts the warm-up again in the same MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    config, out = _write_config(tmp_path), tmp_path / "run"
+    proc = _launch(config, out, "warmup.steps=1000000")  # hours of warm-up: only the stop ends it in time
+    deadline = time.time() + 120
+    while not (out / "mlflow_run_id").is_file():  # written when set-up ends, just before the warm-up
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout[stdout.index("{") :])
+    assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 0
+    assert 0 <= summary["warmup_steps"] < 1000000
+    assert summary["heldout_avg_at_k_start"] is None  # never evaluated: no warmed-up model exists
+    assert complete_checkpoints(out) == []
+    assert not (out / "warmup" / "info.json").exists() and not (out / "hf_final").exists()
+    assert "during the warm-up" in (out / "train.log").read_text()
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    rerun = _launch(config, out, "warmup.steps=2", "train.max_steps=1")
+    stdout, stderr = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout[stdout.index("{") :])
+    assert summary["mlflow_run_id"] == run_id and summary["step"] == 1
+    assert summary["warmup_steps"] == 2
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
 def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
     out = tmp_path / "run"
     cfg = load_config(_write_config(tmp_path), ["train.max_steps=1", "checkpoint.every=1"])

@@ -94,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
             {
                 "step": summary["step"],
                 "stopped_by_signal": summary["stopped_by_signal"],
+                "warmup_steps": (summary.get("warmup") or {}).get("warmup/steps"),
                 "heldout_avg_at_k_start": start.get("eval/avg_at_k"),
                 "heldout_avg_at_k_end": end.get("eval/avg_at_k"),
                 "heldout_pass_at_k_end": end.get("eval/pass_at_k"),

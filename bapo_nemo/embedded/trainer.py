@@ -351,8 +351,12 @@ def _warm_up(run: _Run) -> None:
         warm_metrics = cached[1]
     else:
         warm_metrics = warmup_io.run_warmup(
-            learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress
+            learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress,
+            should_stop=lambda: run.stop.requested,
         )
+        run.history["warmup"] = warm_metrics
+        if warm_metrics["warmup/steps"] < cfg.warmup.steps:
+            return  # stopped by a signal: no cache, no checkpoint; a rerun starts the warm-up again
         warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
     log.info(f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({cfg.warmup.steps} steps)")
     run.history["warmup"] = warm_metrics
@@ -506,7 +510,13 @@ def _finish(run: _Run) -> dict[str, Any]:
     }
     if run.stop.requested:
         # A requeued job resumes from the checkpoint just written (and marks the run RUNNING again).
-        log.info(f"stopped by {run.stop.signal_name} at step {step} with a checkpoint; continue with --resume")
+        if ckpt_io.latest_checkpoint(output_dir) is None:
+            done = int(history["warmup"]["warmup/steps"]) if history["warmup"] else 0
+            log.info(f"stopped by {run.stop.signal_name} during the warm-up ({done} of {cfg.warmup.steps} steps): "
+                     "no checkpoint yet; the same command with --resume starts the warm-up again in the same "
+                     "MLflow run")
+        else:
+            log.info(f"stopped by {run.stop.signal_name} at step {step} with a checkpoint; continue with --resume")
         run.tracker.finish("KILLED")
         return summary
     if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():

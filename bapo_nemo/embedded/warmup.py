@@ -43,7 +43,9 @@ def sft_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def run_warmup(
     model, tokenizer, stream: TaskStream, cfg, device, progress: bool = True, should_stop=lambda: False
 ) -> dict[str, float]:
-    """`cfg.steps` AdamW steps, linear learning-rate decay to 10%. Returns the final metrics."""
+    """`cfg.steps` AdamW steps, linear learning-rate decay to 10%. Returns the final metrics;
+    `warmup/steps` below `cfg.steps` means `should_stop()` ended it early (checked before every step, so
+    a SIGTERM waits for one step, not for the whole warm-up)."""
     if cfg.steps == 0:
         return {"warmup/loss": float("nan"), "warmup/steps": 0.0}
     model.train()
@@ -52,6 +54,9 @@ def run_warmup(
     recent: list[float] = []
     bar = tqdm(range(cfg.steps), desc="warm-up (SFT)", disable=not progress, leave=False)
     for step in bar:
+        if should_stop():
+            bar.close()
+            return {"warmup/loss": sum(recent) / len(recent) if recent else float("nan"), "warmup/steps": float(step)}
         ids, attention, target = (x.to(device) for x in sft_batch(tokenizer, stream.next(cfg.batch_size)))
         logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
         token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
