@@ -35,7 +35,7 @@ def _has_cuda() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch is a hard dependency
+    except Exception:  # noqa: BLE001  # pragma: no cover - torch is a hard dependency
         return False
 
 

@@ -3,6 +3,7 @@ transcription of the authors' loop, monotonicity properties, and edge cases."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -224,10 +225,10 @@ def test_gradient_share_never_decreases_when_either_bound_rises(batch):
     cfg = BAPOConfig()
     for hi in cfg.c_high_grid()[::6]:
         shares = [share(*masses(r, a, m, lo, hi, "gradient")) for lo in cfg.c_low_grid()]
-        assert all(b >= x - 1e-12 for x, b in zip(shares, shares[1:]))
+        assert all(b >= x - 1e-12 for x, b in itertools.pairwise(shares))
     for lo in cfg.c_low_grid()[::5]:
         shares = [share(*masses(r, a, m, lo, hi, "gradient")) for hi in cfg.c_high_grid()]
-        assert all(b >= x - 1e-12 for x, b in zip(shares, shares[1:]))
+        assert all(b >= x - 1e-12 for x, b in itertools.pairwise(shares))
 
 
 @settings(max_examples=100, deadline=None)
@@ -237,7 +238,7 @@ def test_value_share_never_rises_with_c_low(batch):
     cfg = BAPOConfig()
     for hi in cfg.c_high_grid()[::6]:
         shares = [share(*masses(r, a, m, lo, hi, "value")) for lo in cfg.c_low_grid()]
-        assert all(b <= x + 1e-12 for x, b in zip(shares, shares[1:]))
+        assert all(b <= x + 1e-12 for x, b in itertools.pairwise(shares))
 
 
 # ------------------------------------------------------------------------------------------------

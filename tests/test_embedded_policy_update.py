@@ -43,7 +43,7 @@ def test_kept_graphs_give_the_extra_forward_update_exactly_with_half_the_forward
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         forwards = []
-        model.register_forward_hook(lambda *_: forwards.append(1))
+        model.register_forward_hook(lambda *_, calls=forwards: calls.append(1))
         metrics = policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, loss_cfg,
                                 micro_batch_size=4, grad_clip=1.0, step_search_graph_tokens=graph_tokens)
         results[name] = (metrics, [p.detach().clone() for p in model.parameters()], len(forwards))

@@ -129,19 +129,19 @@ class BAPOConfig(BaseModel):
     ) -> BAPOConfig:
         """Build the config that reproduces the authors' verl recipe (`recipe/bapo/policy_loss.py`); the
         arguments are that recipe's names and YAML defaults. Its P/N target q is our share q / (1 + q)."""
-        fields = dict(
-            rho0=adv_ratio_target / (1.0 + adv_ratio_target),
-            c_low_min=ratio_lower_start,
-            c_low_max=ratio_lower_max,
-            c_low_step=ratio_lower_step,
-            c_high_min=ratio_upper_start,
-            c_high_max=ratio_upper_max,
-            c_high_step=ratio_upper_step,
-            pn_eps=eps,
-            dual_clip=clip_ratio_c,
-            order="reference",
-            measure="value",
-        )
+        fields = {
+            "rho0": adv_ratio_target / (1.0 + adv_ratio_target),
+            "c_low_min": ratio_lower_start,
+            "c_low_max": ratio_lower_max,
+            "c_low_step": ratio_lower_step,
+            "c_high_min": ratio_upper_start,
+            "c_high_max": ratio_upper_max,
+            "c_high_step": ratio_upper_step,
+            "pn_eps": eps,
+            "dual_clip": clip_ratio_c,
+            "order": "reference",
+            "measure": "value",
+        }
         return cls(**(fields | overrides))
 
     @classmethod

@@ -63,7 +63,7 @@ def attach_parity_recorder(checkpointer, policy, tokenizer, master_config) -> Ca
     def finalize_with_parity(checkpoint_path, *args, **kwargs):
         try:
             record_parity_logprobs(policy, checkpoint_path, sequences, pad_id, multiple, dtype, make_batch)
-        except Exception as exc:  # a missing parity file only weakens the export's check; keep training
+        except Exception as exc:  # noqa: BLE001 - a missing parity file only weakens the export's check; keep training
             print(f"warning: parity log-probs not recorded for {checkpoint_path}: {type(exc).__name__}: {exc}")
         return finalize(checkpoint_path, *args, **kwargs)
 
