@@ -20,9 +20,8 @@ import pytest
 import torch
 from test_rollout_generators import ToyPolicy
 
-from bapo_nemo.nemo.partial_rollout import (
-    STATE_FILE,
-    PartialRolloutHook,
+from bapo_nemo.nemo.partial_rollout import STATE_FILE, PartialRolloutHook, install_partial_rollouts
+from bapo_nemo.nemo.segment_io import (
     PartialRolloutSetupError,
     ReplayGeneration,
     check_prompt_blocks,
@@ -31,7 +30,6 @@ from bapo_nemo.nemo.partial_rollout import (
     encode_row,
     exclude_stale_prefix,
     generation_inputs,
-    install_partial_rollouts,
 )
 from bapo_nemo.rollout import PartialRolloutConfig, Rollout
 from bapo_nemo.rollout.config import check_partial_rollout_config
