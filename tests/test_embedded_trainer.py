@@ -55,9 +55,24 @@ def _write_config(tmp_path: Path, data: dict = TINY) -> Path:
     return path
 
 
+_LAUNCHED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_trainer_outlives_its_test():
+    """A failed assertion must not leave a training process behind, eating a core for the rest of the
+    suite (a stop that is not honoured would keep it running for hours)."""
+    yield
+    while _LAUNCHED:
+        proc = _LAUNCHED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -74,6 +89,8 @@ def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
         text=True,
         env=env,
     )
+    _LAUNCHED.append(proc)
+    return proc
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
