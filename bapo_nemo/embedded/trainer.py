@@ -6,7 +6,8 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 
 1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (`_tasks`), tracker; resume from the newest
    complete checkpoint if asked
-2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup)
+2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
+   a stop signal ends it between steps, with nothing written
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
    BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
    steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1/SIGINT finish the step, checkpoint
