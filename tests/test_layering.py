@@ -75,3 +75,8 @@ def test_relative_imports_do_not_escape_a_subpackage():
         if isinstance(node, ast.ImportFrom) and node.level > 1
     ]
     assert not escaping, "relative imports above the subpackage: " + ", ".join(escaping)
+
+
+def test_the_shared_config_error_wording_is_a_leaf():
+    """bapo_nemo/config_errors.py sits below every subpackage (the bottom ones use it): it imports none."""
+    assert imported_subpackages((PACKAGE / "config_errors.py").read_text()) == set()

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bapo_nemo.algorithm.config import BAPOConfig, BAPOConfigError
+from bapo_nemo.config_errors import validation_lines
 
 RatioReference = Literal["proximal", "behavior"]
 
@@ -53,11 +54,7 @@ class NemoBAPOOptions(BaseModel):
         try:
             return cls(bapo=bapo, **adapter)
         except ValidationError as exc:
-            lines = []
-            for err in exc.errors():
-                key = ".".join(str(p) for p in err["loc"])
-                got = f" (got {err['input']!r})" if err["type"] == "literal_error" else ""
-                lines.append(f"{where}.{key}: {err['msg']}{got}")
+            lines = validation_lines(exc, where)
             raise BAPOConfigError("invalid BAPO config:\n  " + "\n  ".join(lines)) from None
 
     def flat(self) -> dict[str, Any]:

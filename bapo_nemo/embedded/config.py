@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bapo_nemo.algorithm import BAPOConfig
+from bapo_nemo.config_errors import validation_lines
 from bapo_nemo.rollout import PartialRolloutConfig
 
 
@@ -319,16 +320,7 @@ def validate_config(data: dict, where: str = "<config>") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = [str(p) for p in err["loc"]]
-            key = ".".join(loc) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key" + _did_you_mean(key)
-            elif err["type"] == "literal_error":
-                msg = f"{msg} (got {err['input']!r})"
-            lines.append(f"{key}: {msg}")
+        lines = validation_lines(exc, unknown_key=lambda key: "unknown key" + _did_you_mean(key))
         raise RunConfigError(f"invalid run config {where}:\n  " + "\n  ".join(lines)) from None
 
 

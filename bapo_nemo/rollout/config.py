@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bapo_nemo.config_errors import validation_lines
+
 StaleSegments = Literal["keep", "exclude", "downweight"]
 
 
@@ -116,17 +118,11 @@ class PartialRolloutConfig(BaseModel):
         try:
             return cls.model_validate(data or {})
         except ValidationError as exc:
-            lines = []
-            for err in exc.errors():
-                key = ".".join(str(p) for p in err["loc"]) or "(block)"
-                msg = err["msg"].removeprefix("Value error, ")
-                if err["type"] == "extra_forbidden":
-                    msg = f"unknown key; allowed keys: {', '.join(sorted(cls.model_fields))}"
-                elif err["type"] == "missing":
-                    msg = "required (e.g. token_budget: 2048)"
-                elif err["type"] == "literal_error":
-                    msg = f"{msg} (got {err['input']!r})"
-                lines.append(f"{where}.{key}: {msg}")
+            lines = validation_lines(
+                exc, where,
+                unknown_key=lambda _: f"unknown key; allowed keys: {', '.join(sorted(cls.model_fields))}",
+                missing="required (e.g. token_budget: 2048)",
+            )
             raise PartialRolloutConfigError(
                 "invalid partial-rollout config:\n  " + "\n  ".join(lines)
             ) from None
