@@ -355,16 +355,21 @@ def _warm_up(run: _Run) -> None:
             learner.model, learner.tokenizer, run.warmup_stream, cfg.warmup, run.device, cfg.runtime.progress,
             should_stop=lambda: run.stop.requested,
         )
-        run.history["warmup"] = warm_metrics
-        if warm_metrics["warmup/steps"] < cfg.warmup.steps:
-            return  # stopped by a signal: no cache, no checkpoint; a rerun starts the warm-up again
+    run.history["warmup"] = warm_metrics
+    if _warm_up_cut_short(run):
+        return  # no cache, no checkpoint: a rerun starts the warm-up again
+    if cached is None:
         warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
     log.info(f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({cfg.warmup.steps} steps)")
-    run.history["warmup"] = warm_metrics
     start_eval = _run_eval(run, 0)
     run.tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
     run.metrics_log.write({"step": 0, **warm_metrics, **start_eval})
     _save(run, 0)
+
+
+def _warm_up_cut_short(run: _Run) -> bool:
+    """A stop signal ended the warm-up before its last step (a resumed run's warm-up is always whole)."""
+    return run.history["warmup"] is not None and run.history["warmup"]["warmup/steps"] < run.cfg.warmup.steps
 
 
 # ---- 3. bookkeeping after each RL step -------------------------------------------------------------------
@@ -511,8 +516,8 @@ def _finish(run: _Run) -> dict[str, Any]:
     }
     if run.stop.requested:
         # A requeued job resumes from the checkpoint just written (and marks the run RUNNING again).
-        if ckpt_io.latest_checkpoint(output_dir) is None:
-            done = int(history["warmup"]["warmup/steps"]) if history["warmup"] else 0
+        if _warm_up_cut_short(run):
+            done = int(history["warmup"]["warmup/steps"])
             log.info(f"stopped by {run.stop.signal_name} during the warm-up ({done} of {cfg.warmup.steps} steps): "
                      "no checkpoint yet; the same command with --resume starts the warm-up again in the same "
                      "MLflow run")
