@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -354,7 +355,12 @@ class TinySampler:
         return True
 
     @torch.no_grad()
-    def generate(self, cfg: dict, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+    def generate(
+        self, cfg: dict, data: BatchedDataDict, greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict:
+        """`seed`: sample from a generator of its own, so the result does not depend on the order in which
+        concurrent requests reach this sampler (async GRPO sends them from several collector threads)."""
+        generator = self.generator if seed is None else torch.Generator().manual_seed(seed)
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         max_new = int(cfg["max_new_tokens"])
         pad, stops = int(cfg["_pad_token_id"]), set(cfg.get("stop_token_ids") or [])
@@ -366,7 +372,7 @@ class TinySampler:
             while len(seq) - n_in < max_new:
                 logits = self.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()
                 probs = torch.softmax(logits / temperature, dim=-1)
-                tok = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=self.generator))
+                tok = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=generator))
                 seq.append(tok)
                 seq_lp.append(float(torch.log(probs[tok])))
                 if tok in stops:
@@ -398,6 +404,7 @@ class TinySampler:
         return taken
 
 
+_SEED_LOCK = threading.Lock()
 # No logical CPU: the head's few CPUs go to NeMo-RL's own actors (environment, collector, buffer).
 _SamplerActor = ray.remote(num_cpus=0)(TinySampler)
 RAY_TIMEOUT_S = 300
@@ -435,12 +442,26 @@ class CPUGenerationStandIn(GenerationInterface):
     async def generate_async(self, data: BatchedDataDict, greedy: bool = False):
         if self.actor is None:
             raise NotImplementedError("the async engine is modelled for non-colocated generation only")
-        refs = [self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy) for i in range(data.size)]
+        # One seed per (prompt, how often it was asked for): a group's samples are the same whatever the
+        # collector threads' timing (its rows may come one request each).
+        refs = [
+            self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy, seed=self._next_seed(data, i))
+            for i in range(data.size)
+        ]
         pending = {asyncio.ensure_future(self._await(i, ref)) for i, ref in enumerate(refs)}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 yield task.result()
+
+    def _next_seed(self, data: BatchedDataDict, row: int) -> int:
+        """A sampling seed fixed by the row's prompt tokens and how many times that prompt was asked for
+        before (ints hash the same in every process)."""
+        prompt = tuple(data["input_ids"][row, : int(data["input_lengths"][row])].tolist())
+        with _SEED_LOCK:
+            asked = self.__dict__.setdefault("_asked", {})
+            n = asked[prompt] = asked.get(prompt, -1) + 1
+        return hash((prompt, n)) & 0x7FFFFFFF
 
     @staticmethod
     async def _await(index: int, ref) -> tuple[int, BatchedDataDict]:
