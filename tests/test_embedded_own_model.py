@@ -1,4 +1,4 @@
-"""Your own model and data on the embedded trainer: any HF causal LM (`model.pretrained`) and a local
+"""Your own model and data on the embedded trainer: any HF causal LM (`policy.model_name`) and a local
 Hugging Face `datasets` source (`data.*`), graded by math-verify. Nothing can be downloaded here, so each
 test builds tiny random models of real families (Qwen2, Qwen3, Llama) from their configs, with a BPE
 tokenizer trained on the spot, and saves them with `save_pretrained`: the trainer loads them exactly as it
@@ -113,24 +113,24 @@ def run_config(tmp_path: Path, model_dir: Path, data_path: Path, *overrides: str
         None,
         [
             "runtime.progress=false",
-            f"model.pretrained={model_dir}",
-            f"data.train_path={data_path}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"policy.model_name={model_dir}",
+            f"data.train.data_path={data_path}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
             "data.eval_size=4",
             "data.prompt_template={prompt} Put the answer in \\boxed{}.",
             "warmup.steps=0",
-            "rollout.group_size=2",
-            "rollout.prompts_per_step=2",
-            "rollout.partial.token_budget=8",
-            "rollout.partial.max_resumptions=2",
-            "rollout.partial.max_response_tokens=16",
-            "rollout.partial.max_in_flight_groups=4",
-            "train.max_steps=2",
-            "train.micro_batch_size=4",
-            "eval.every=2",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.num_prompts_per_step=2",
+            "partial_rollouts.token_budget=8",
+            "partial_rollouts.max_resumptions=2",
+            "partial_rollouts.max_response_tokens=16",
+            "partial_rollouts.max_in_flight_groups=4",
+            "grpo.max_num_steps=2",
+            "policy.train_micro_batch_size=4",
+            "grpo.val_period=2",
             "eval.k=1",
-            "checkpoint.every=1",
+            "checkpointing.save_period=1",
             "tracking.samples_every=1",
             *overrides,
         ],
@@ -170,11 +170,11 @@ def test_bf16_autocast_and_gradient_checkpointing_on_cpu_and_resume(tmp_path):
     """The code path of `runtime.device=cuda` (autocast, checkpointing), on CPU, through a resume."""
     model_dir = save_tiny_model("qwen2", tmp_path)
     data = write_dataset(tmp_path / "math.parquet", MATH_ROWS)
-    extra = ("runtime.autocast=bf16", "train.gradient_checkpointing=true")
+    extra = ("policy.precision=bfloat16", "policy.dtensor_cfg.activation_checkpointing=true")
     out = tmp_path / "run"
-    first = train(run_config(tmp_path, model_dir, data, *extra, "train.max_steps=1"), out)
+    first = train(run_config(tmp_path, model_dir, data, *extra, "grpo.max_num_steps=1"), out)
     assert first["step"] == 1
-    summary = train(run_config(tmp_path, model_dir, data, *extra, "train.max_steps=2"), out, resume=True)
+    summary = train(run_config(tmp_path, model_dir, data, *extra, "grpo.max_num_steps=2"), out, resume=True)
     assert summary["step"] == 2
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -236,9 +236,9 @@ def test_malformed_rows_are_counted_with_their_row_numbers(tmp_path):
     strict = load_config(
         None,
         [
-            f"data.train_path={data}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"data.train.data_path={data}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
             "data.max_bad_fraction=0.05",
         ],
     )
@@ -256,10 +256,10 @@ def test_dataset_formats_jsonl_and_save_to_disk_directory(tmp_path):
     cfg = load_config(
         None,
         [
-            f"data.train_path={jsonl}",
-            f"data.eval_path={disk}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"data.train.data_path={jsonl}",
+            f"data.validation.data_path={disk}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
         ],
     )
     train_tasks, held_out = load_data(cfg.data, seed=0)
@@ -270,21 +270,21 @@ def test_dataset_formats_jsonl_and_save_to_disk_directory(tmp_path):
 def test_bad_input_names_the_key_or_file(tmp_path):
     data = write_dataset(tmp_path / "math.parquet", MATH_ROWS)
     # a dataset without the mapped field
-    cfg = load_config(None, [f"data.train_path={data}", "data.answer_field=final"])
-    with pytest.raises(DataError, match=r"no column 'question' \(data.prompt_field\).*'problem'"):
+    cfg = load_config(None, [f"data.train.data_path={data}", "data.default.output_key=final"])
+    with pytest.raises(DataError, match=r"no column 'question' \(data.default.input_key\).*'problem'"):
         load_data(cfg.data, seed=0)
     # a missing file, an unknown format
-    cfg = load_config(None, [f"data.train_path={tmp_path / 'nope.parquet'}"])
-    with pytest.raises(DataError, match="data.train_path.*does not exist"):
+    cfg = load_config(None, [f"data.train.data_path={tmp_path / 'nope.parquet'}"])
+    with pytest.raises(DataError, match="data.train.data_path.*does not exist"):
         load_data(cfg.data, seed=0)
     (tmp_path / "rows.txt").write_text("x")
-    cfg = load_config(None, [f"data.train_path={tmp_path / 'rows.txt'}"])
+    cfg = load_config(None, [f"data.train.data_path={tmp_path / 'rows.txt'}"])
     with pytest.raises(DataError, match="suffix '.txt'"):
         load_data(cfg.data, seed=0)
     # a directory that is not a model
     (tmp_path / "not_a_model").mkdir()
     cfg = run_config(tmp_path, tmp_path / "not_a_model", data)
-    with pytest.raises(ModelLoadError, match="model.pretrained=.*not a model directory"):
+    with pytest.raises(ModelLoadError, match="policy.model_name=.*not a model directory"):
         train(cfg, tmp_path / "run")
 
 
@@ -295,7 +295,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.pad_token = tok.eos_token
     window = 64  # max_response_tokens=16 leaves 48 prompt tokens: the long row needs more
-    cfg = run_config(tmp_path, model_dir, data, "data.eval_path=" + str(data))
+    cfg = run_config(tmp_path, model_dir, data, "data.validation.data_path=" + str(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
@@ -305,7 +305,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     )
 
     cfg = run_config(
-        tmp_path, model_dir, data, "data.eval_path=" + str(data), "data.overlong_prompts=truncate"
+        tmp_path, model_dir, data, "data.validation.data_path=" + str(data), "data.overlong_prompts=truncate"
     )
     encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
     long = next(t for t in pool if t.answer == "60")
@@ -324,8 +324,8 @@ def test_cuda_bf16_autocast_gradient_checkpointing_end_to_end(tmp_path):
         model_dir,
         data,
         "runtime.device=cuda",
-        "runtime.autocast=bf16",
-        "train.gradient_checkpointing=true",
+        "policy.precision=bfloat16",
+        "policy.dtensor_cfg.activation_checkpointing=true",
     )
     summary = train(cfg, tmp_path / "run")
     assert summary["step"] == 2
@@ -343,12 +343,12 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     model_dir = save_tiny_model("qwen2", tmp_path)
     ids = torch.tensor([[1, 5, 7, 9]])
     plain = prepare_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "none", False
+        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "float32", False
     )
     assert plain(input_ids=ids).logits.dtype == torch.float32
     assert not plain.is_gradient_checkpointing
     fast = prepare_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "bf16", True
+        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "bfloat16", True
     )
     assert fast(input_ids=ids).logits.dtype == torch.bfloat16
     assert next(fast.parameters()).dtype == torch.float32
@@ -373,21 +373,21 @@ def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from
     repo = Path(__file__).resolve().parents[1]
     base = [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml")]
     small = [
-        f"data.train_path={jsonl}",
+        f"data.train.data_path={jsonl}",
         "data.eval_size=4",
         "runtime.device=cpu",
-        "runtime.autocast=none",
-        "rollout.group_size=2",
-        "rollout.prompts_per_step=2",
-        "rollout.partial.token_budget=8",
-        "rollout.partial.max_response_tokens=16",
-        "rollout.partial.max_in_flight_groups=4",
-        "train.max_steps=1",
+        "policy.precision=float32",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.num_prompts_per_step=2",
+        "partial_rollouts.token_budget=8",
+        "partial_rollouts.max_response_tokens=16",
+        "partial_rollouts.max_in_flight_groups=4",
+        "grpo.max_num_steps=1",
         "eval.k=1",
         "--no-progress",
     ]
     done = subprocess.run(
-        [*base, f"model.pretrained={model_dir}", *small, "--output-dir", str(tmp_path / "run")],
+        [*base, f"policy.model_name={model_dir}", *small, "--output-dir", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=600,
@@ -399,12 +399,12 @@ def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from
 
     (tmp_path / "empty").mkdir()
     bad = subprocess.run(
-        [*base, f"model.pretrained={tmp_path / 'empty'}", *small, "--output-dir", str(tmp_path / "run2")],
+        [*base, f"policy.model_name={tmp_path / 'empty'}", *small, "--output-dir", str(tmp_path / "run2")],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].startswith("error: model.pretrained=")
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: policy.model_name=")
     assert "not a model directory" in bad.stderr

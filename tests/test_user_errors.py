@@ -27,18 +27,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = {
-    "seed": 0,
+    "grpo": {"seed": 0, "num_generations_per_prompt": 4, "num_prompts_per_step": 4, "max_num_steps": 3,
+             "val_period": 10},
+    "policy": {"train_micro_batch_size": 32},
+    "partial_rollouts": {"token_budget": 12, "max_resumptions": 3, "max_response_tokens": 36,
+                         "max_in_flight_groups": 8},
+    "checkpointing": {"save_period": 1, "keep_top_k": 5},
     "runtime": {"progress": False},
     "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
               "max_position_embeddings": 96},
     "task": {"max_ops": 3, "eval_size": 8},
     "warmup": {"steps": 4, "batch_size": 8},
-    "rollout": {"group_size": 4, "prompts_per_step": 4,
-                "partial": {"token_budget": 12, "max_resumptions": 3, "max_response_tokens": 36,
-                            "max_in_flight_groups": 8}},
-    "train": {"max_steps": 3, "updates_per_batch": 1, "micro_batch_size": 32},
-    "eval": {"every": 10, "k": 1},
-    "checkpoint": {"every": 1, "keep_last": 5},
+    "train": {"updates_per_batch": 1},
+    "eval": {"k": 1},
     "tracking": {"samples_every": 10},
 }
 
@@ -167,15 +168,15 @@ LONG = "1+" * 150 + "1?"  # 302 characters: 303 tokens with BOS, on a 96-positio
 CASES = [
     # already handled before this table existed; kept so they stay handled
     Case("unknown config key", _train(None, "optim.learning_rate=0.1"), 2, ["optim.learning_rate", "did you mean"]),
-    Case("clip range empty", _train(None, "loss.bapo.c_low_min=1.5"), 2, ["loss.bapo"]),
-    Case("rho0 out of range", _train(None, "loss.bapo.rho0=1.5"), 2, ["rho0"]),
+    Case("clip range empty", _train(None, "loss_fn.bapo.c_low_min=1.5"), 2, ["loss_fn.bapo"]),
+    Case("rho0 out of range", _train(None, "loss_fn.bapo.rho0=1.5"), 2, ["rho0"]),
     Case("YAML syntax error", _bad_yaml, 2, ["bad.yaml", "not valid YAML"]),
     Case("JSONL >10% malformed rows", _tasks_file(GOOD_ROWS[:5] + ["{not json"] * 2), 2,
          ["tasks.jsonl", "line 6", "task.max_bad_fraction"]),
     # newly handled
     Case("empty config file", _empty_config, 2, ["empty.yaml is empty", "configs/local_cpu.yaml"]),
-    Case("lr is .inf", _train(None, "optim.lr=.inf"), 2, ["optim.lr", "finite"]),
-    Case("lr is .nan", _train(None, "optim.lr=.nan"), 2, ["optim.lr", "finite"]),
+    Case("lr is .inf", _train(None, "policy.optimizer.kwargs.lr=.inf"), 2, ["policy.optimizer.kwargs.lr", "finite"]),
+    Case("lr is .nan", _train(None, "policy.optimizer.kwargs.lr=.nan"), 2, ["policy.optimizer.kwargs.lr", "finite"]),
     Case("missing task.train_file", _train(with_(task={"train_file": "nowhere.jsonl"})), 2,
          ["nowhere.jsonl does not exist", "task.train_file"]),
     Case("tasks file with no tasks", _tasks_file([]), 2, ["holds no tasks"]),
@@ -187,7 +188,7 @@ CASES = [
          ["line 1: prompt of 1000003 tokens"]),
     Case("cuda without CUDA", _train(None, "runtime.device=cuda"), 2, ["runtime.device=cuda", "runtime.device=cpu"],
          skip="this machine has CUDA" if _has_cuda() else None),
-    Case("unreachable tracking server", _train(None, "tracking.tracking_uri=http://127.0.0.1:9"), 2,
+    Case("unreachable tracking server", _train(None, "logger.mlflow.tracking_uri=http://127.0.0.1:9"), 2,
          ["http://127.0.0.1:9", "Start the tracking server"]),
     Case("output dir in use", _locked, 2, ["is in use by PID", f"{os.getpid()}", "another --output-dir"]),
     Case("check --nodes 0", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "0",
@@ -216,7 +217,7 @@ def test_mistake_ends_in_one_clear_line(case: Case, tmp_path):
 def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_path):
     """One over-long prompt in 28 rows (3.6% <= 10%): the run trains on the other rows and says which line."""
     path = jsonl(tmp_path, "tasks.jsonl", GOOD_ROWS[:20] + [{"question": LONG, "answer": "151"}] + GOOD_ROWS[20:27])
-    cfg = with_(task={"train_file": str(path)}, train={"max_steps": 1})
+    cfg = with_(task={"train_file": str(path)}, grpo={"max_num_steps": 1})
     done = bapo_nemo("train", str(write_config(tmp_path, cfg)), "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped 1 malformed row(s) of 28" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
@@ -314,7 +315,7 @@ def test_check_prints_no_warning(tmp_path):
 def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_path):
     """Two real `bapo-nemo train` processes into one --output-dir: the second exits 2 naming the first's
     PID; the first (stopped with SIGTERM afterwards) has one MLflow run and one metrics line per step."""
-    cfg = write_config(tmp_path, with_(train={"max_steps": 500}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}))
     first = start_training(cfg, tmp_path)
     try:
         lock = tmp_path / "out" / ".lock"
@@ -395,7 +396,7 @@ def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_pa
 
 
 def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
-    cfg = write_config(tmp_path, with_(train={"max_steps": 500}, checkpoint={"every": 100}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}, checkpointing={"save_period": 100}))
     proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from bapo_nemo.algorithm.config import BAPOConfig, BAPOConfigError
-from bapo_nemo.config_errors import validation_lines
+from bapo_nemo.algorithm.config import BAPOConfig
 
 RatioReference = Literal["proximal", "behavior"]
 
@@ -28,34 +27,41 @@ RatioReference = Literal["proximal", "behavior"]
 ADAPTER_KEYS = ("ratio_reference",)
 
 
+class BAPOBlock(BAPOConfig):
+    """The flat `loss_fn.bapo` block as one schema: BAPOConfig's keys and `ratio_reference`. The embedded
+    trainer's config holds it as is, so a block tuned on one machine pastes into a NeMo-RL config."""
+
+    ratio_reference: RatioReference = Field(
+        "behavior",
+        description=(
+            "Log-probs the clipped ratio is taken against. proximal: log-probs recomputed with the current "
+            "weights at the start of every rollout batch's training (NeMo-RL's prev_logprobs); the ratio is "
+            "1 at the first optimizer step of each rollout batch, so BAPO only acts with several optimizer "
+            "steps per rollout batch. behavior: the log-probs of the policy that sampled the tokens (vLLM's "
+            "generation_logprobs); the ratio carries all off-policyness (stale weights, FP8 generation), as "
+            "in the paper."
+        ),
+    )
+
+    def algorithm(self) -> BAPOConfig:
+        """BAPOConfig's settings alone."""
+        return BAPOConfig(**self.model_dump(exclude=set(ADAPTER_KEYS)))
+
+
 class NemoBAPOOptions(BaseModel):
     """Everything BAPOLossFn reads from `loss_fn.bapo`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ratio_reference: RatioReference = Field(
-        "behavior",
-        description=(
-            "Log-probs the clipped ratio is taken against. proximal: NeMo-RL's prev_logprobs, recomputed "
-            "with the current weights at the start of every policy.train(); the ratio is 1 at the first "
-            "optimizer step of each rollout batch, so BAPO only acts with several optimizer steps per "
-            "rollout batch. behavior: generation_logprobs of the policy that sampled the tokens (vLLM); "
-            "the ratio carries all off-policyness (stale weights, FP8 generation), as in the paper."
-        ),
-    )
+    ratio_reference: RatioReference = Field("behavior", description="See BAPOBlock.ratio_reference.")
     bapo: BAPOConfig = Field(default_factory=BAPOConfig)
 
     @classmethod
     def parse(cls, block: dict[str, Any] | None, where: str = "loss_fn.bapo") -> NemoBAPOOptions:
-        """Split the flat YAML block into adapter options and BAPOConfig; errors name the full key."""
-        block = dict(block or {})
-        adapter = {k: block.pop(k) for k in ADAPTER_KEYS if k in block}
-        bapo = BAPOConfig.parse(block, where=where)  # raises BAPOConfigError naming `where.key`
-        try:
-            return cls(bapo=bapo, **adapter)
-        except ValidationError as exc:
-            lines = validation_lines(exc, where)
-            raise BAPOConfigError("invalid BAPO config:\n  " + "\n  ".join(lines)) from None
+        """Validate the flat YAML block (errors name the full key) and split it into adapter options and
+        BAPOConfig."""
+        parsed = BAPOBlock.parse(block, where=where)  # raises BAPOConfigError naming `where.key`
+        return cls(ratio_reference=parsed.ratio_reference, bapo=parsed.algorithm())
 
     def flat(self) -> dict[str, Any]:
         """The flat YAML form again (for logging and checkpoints)."""

@@ -4,8 +4,9 @@ prompts that do not fit the context window, and the math-verify reward.
     load_data(data_cfg, seed) -> (train tasks, held-out tasks)
 
 A source is a file (.parquet, .json, .jsonl, .csv, .arrow) or a directory (written by
-`Dataset.save_to_disk`, or holding data files of one of those kinds). `data.prompt_field` and
-`data.answer_field` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is replaced).
+`Dataset.save_to_disk`, or holding data files of one of those kinds). `data.default.input_key` and
+`data.default.output_key` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is
+replaced).
 Malformed rows (missing or empty fields) are skipped and counted with their row numbers; more than
 `data.max_bad_fraction` of them is an error naming the file.
 """
@@ -30,11 +31,13 @@ class DataError(TaskFileError):
 
 
 def load_data(data_cfg, seed: int) -> tuple[list[Task], list[Task]]:
-    """Training and held-out tasks. Without `data.eval_path`, `data.eval_size` rows of the training
-    source are held out (a seeded draw) and never trained on."""
-    train = load_tasks(data_cfg.train_path, data_cfg, data_cfg.split, "train_path")
-    if data_cfg.eval_path:
-        held_out = load_tasks(data_cfg.eval_path, data_cfg, data_cfg.eval_split, "eval_path")
+    """Training and held-out tasks. Without `data.validation.data_path`, `data.eval_size` rows of the
+    training source are held out (a seeded draw) and never trained on."""
+    train = load_tasks(data_cfg.train.data_path, data_cfg, data_cfg.train.split, "train.data_path")
+    if data_cfg.validation.data_path:
+        held_out = load_tasks(
+            data_cfg.validation.data_path, data_cfg, data_cfg.validation.split, "validation.data_path"
+        )
         return train, held_out
     return split_held_out(train, data_cfg.eval_size, seed)
 
@@ -45,7 +48,7 @@ def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[T
     if eval_size >= len(tasks):
         raise DataError(
             f"data.eval_size={eval_size} leaves no training rows (the source has {len(tasks)} usable rows): "
-            "lower data.eval_size or set data.eval_path"
+            "lower data.eval_size or set data.validation.data_path"
         )
     picked = random.Random(seed).sample(range(len(tasks)), eval_size)
     held_out = [tasks[i] for i in sorted(picked)]
@@ -56,7 +59,8 @@ def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[T
 def load_tasks(path: str, data_cfg, split: str, key: str) -> list[Task]:
     """Tasks from one source, fields mapped by `data_cfg`; `key` names the config key in messages."""
     rows = _read_rows(Path(path), split, key)
-    fields = {"data.prompt_field": data_cfg.prompt_field, "data.answer_field": data_cfg.answer_field}
+    fields = {"data.default.input_key": data_cfg.default.input_key,
+              "data.default.output_key": data_cfg.default.output_key}
     if data_cfg.solution_field:
         fields["data.solution_field"] = data_cfg.solution_field
     columns = list(rows.column_names)
@@ -111,7 +115,8 @@ def _read_rows(path: Path, split: str, key: str):
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(
-                f"data.{key}: {path} has no split {split!r} (it has {list(loaded)}); set data.split / data.eval_split"
+                f"data.{key}: {path} has no split {split!r} (it has {list(loaded)}); "
+                "set data.train.split / data.validation.split"
             )
         loaded = loaded[split]
     return loaded
@@ -119,13 +124,13 @@ def _read_rows(path: Path, split: str, key: str):
 
 def _check_row(row: dict, data_cfg):
     """(prompt, answer, solution) or a string saying what is wrong with the row."""
-    prompt, answer = row.get(data_cfg.prompt_field), row.get(data_cfg.answer_field)
+    prompt, answer = row.get(data_cfg.default.input_key), row.get(data_cfg.default.output_key)
     if not isinstance(prompt, str) or not prompt.strip():
-        return f"{data_cfg.prompt_field!r} is not a non-empty string"
+        return f"{data_cfg.default.input_key!r} is not a non-empty string"
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
-        return f"{data_cfg.answer_field!r} is empty or not a string/number"
+        return f"{data_cfg.default.output_key!r} is empty or not a string/number"
     solution = row.get(data_cfg.solution_field) if data_cfg.solution_field else None
     if data_cfg.solution_field and (not isinstance(solution, str) or not solution):
         return f"{data_cfg.solution_field!r} is not a non-empty string"
@@ -140,7 +145,7 @@ def _report_bad_rows(path, bad: list[tuple[int, str]], rows: int, max_bad_fracti
     if len(bad) / max(rows, 1) > max_bad_fraction:
         raise DataError(
             f"{message}; that is more than data.max_bad_fraction={max_bad_fraction}. Fix the rows, map other "
-            "columns with data.prompt_field / data.answer_field, or raise data.max_bad_fraction."
+            "columns with data.default.input_key / data.default.output_key, or raise data.max_bad_fraction."
         )
     warnings.warn(message, stacklevel=3)
 
@@ -158,7 +163,7 @@ def fit_prompts(tasks: list[Task], encode, max_prompt_tokens: int, mode: str, wh
     if not kept:
         raise DataError(
             f"every {what} prompt is longer than {max_prompt_tokens} tokens (the context window minus "
-            "rollout.partial.max_response_tokens): lower the latter, or set data.overlong_prompts=truncate"
+            "partial_rollouts.max_response_tokens): lower the latter, or set data.overlong_prompts=truncate"
         )
     if skipped:
         shown = ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")

@@ -20,8 +20,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  bapo-nemo train configs/local_cpu.yaml\n"
         "  bapo-nemo train configs/local_cpu.yaml --output-dir runs/a --resume\n"
-        "  bapo-nemo train configs/local_cpu.yaml loss.bapo.enabled=false loss.bapo.c_low_min=0.8\n"
-        "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 rollout.partial.token_budget=16"
+        "  bapo-nemo train configs/local_cpu.yaml loss_fn.bapo.enabled=false loss_fn.bapo.c_low_min=0.8\n"
+        "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 partial_rollouts.token_budget=16"
     )
     parser.add_argument("config", help="run config YAML (e.g. configs/local_cpu.yaml)")
     parser.add_argument(
@@ -42,7 +42,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "else start fresh (so a requeued job can always pass it)",
     )
     parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
-    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (RL steps)")
+    parser.add_argument("--max-steps", type=int, default=None, help="override grpo.max_num_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
 
 
@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     if args.seed is not None:
         overrides.append(f"seed={args.seed}")
     if args.max_steps is not None:
-        overrides.append(f"train.max_steps={args.max_steps}")
+        overrides.append(f"grpo.max_num_steps={args.max_steps}")
     if args.no_progress:
         overrides.append("runtime.progress=false")
     try:
