@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
+from bapo_nemo.config_kind import wrong_tool_for_nemo_rl
 from bapo_nemo.embedded import config_keys
 from bapo_nemo.rollout import PartialRolloutConfig
 
@@ -335,6 +336,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
         if not isinstance(data, dict):
             raise RunConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
+        if (wrong_tool := wrong_tool_for_nemo_rl(str(path), data)) is not None:
+            raise RunConfigError(wrong_tool)
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
     # required by its own schema (e.g. partial_rollouts.max_response_tokens alone).
     data = _deep_merge(RunConfig().to_dict(), data)

@@ -18,8 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+import yaml
+
+from bapo_nemo.config_kind import wrong_tool_for_embedded
 from bapo_nemo.plan.checks import Finding, bapo_enabled, check_config, plan_cluster
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
@@ -43,6 +47,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--skip-checks", action="store_true", help="skip bapo-nemo check's rules (not advised)"
     )
     return parser.parse_known_args(argv)
+
+
+def _embedded_config(path: str) -> str | None:
+    """The one-line pointer to `bapo-nemo train` when `path` is an embedded config (read before NeMo-RL is
+    imported, so it is said on any machine)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # NeMo-RL's loader reports it
+    return wrong_tool_for_embedded(path, data)
 
 
 def preflight(config: dict) -> list[Finding]:
@@ -125,6 +139,10 @@ def check_async_loop_finished(steps_done: int, max_steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)  # --help works without NeMo-RL
+    wrong_tool = _embedded_config(args.config)
+    if wrong_tool is not None:
+        print(f"error: {wrong_tool}", file=sys.stderr)
+        return 2
     try:
         from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
     except ImportError as exc:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bapo_nemo.plan.checks import (
@@ -244,7 +245,7 @@ def main(args) -> int:
     try:
         config, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
-        console.print(f"[bold red]error[/]: {exc}")
+        console.print(f"[bold red]error[/]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1
     step_time, lead_findings = step_time_check(args, config, plan)
     findings = findings + lead_findings

@@ -1,0 +1,60 @@
+"""A config given to the wrong tool: `bapo-nemo train` with a NeMo-RL config, `bapo-nemo check` or the
+NeMo-RL driver with an embedded one. Each says so in one line naming the right command (run as a user
+runs them), instead of one "unknown key" line per section."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bapo_nemo.config_kind import config_kind
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          check=False, env=env)
+
+
+@pytest.mark.parametrize("name", ["bapo_7b.yaml", "bapo_32b_64k.yaml"])  # a full config; `defaults:` only
+def test_train_given_a_nemo_rl_config_names_the_driver_and_check(name, tmp_path):
+    config = f"configs/{name}"
+    run = _run("-m", "bapo_nemo.cli", "train", str(REPO / config), "--output-dir", str(tmp_path / "out"),
+               cwd=tmp_path)
+    assert run.returncode == 2 and not (tmp_path / "out").exists()
+    [line] = run.stderr.strip().splitlines()
+    assert "is a NeMo-RL config" in line
+    assert f"python -m bapo_nemo.train --config {REPO / config}" in line
+    assert f"bapo-nemo check {REPO / config} --nodes N --gpus-per-node G" in line
+    assert "unknown key" not in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "bapo_nemo.cli", "check", "{config}", "--nodes", "1", "--gpus-per-node", "8"],
+    ["-m", "bapo_nemo.train", "--config", "{config}"],
+], ids=["check", "driver"])
+@pytest.mark.parametrize("name", ["local_cpu.yaml", "own_model.yaml"])
+def test_check_and_the_driver_given_an_embedded_config_name_bapo_nemo_train(argv, name, tmp_path):
+    config = str(REPO / "configs" / name)
+    run = _run(*(a.format(config=config) for a in argv), cwd=tmp_path)
+    assert run.returncode != 0
+    [line] = run.stderr.strip().splitlines() or run.stdout.strip().splitlines()
+    assert "is an embedded config for one machine" in line and f"`bapo-nemo train {config}`" in line
+    assert "not a NeMo-RL v0.7.0 config key" not in run.stdout + run.stderr
+
+
+def test_a_config_that_does_not_say_its_kind_gets_the_tools_own_checks():
+    """Only sections one kind alone has decide: a shared section (grpo:, policy:, ...) or a mix decides
+    nothing, so each tool's own validation reports what is wrong."""
+    assert config_kind({"grpo": {"max_num_steps": 3}, "policy": {}}) is None
+    assert config_kind({"cluster": {}, "runtime": {}}) is None
+    assert config_kind({"defaults": "bapo_7b.yaml"}) == "nemo_rl"
+    assert config_kind({"grpo": {}, "train": {"updates_per_batch": 2}}) == "embedded"
+    assert config_kind({"rollout": {"group_size": 4}}) == "embedded"  # the embedded config's old names
+    assert config_kind(["not", "a", "mapping"]) is None
