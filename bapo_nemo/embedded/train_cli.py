@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from bapo_nemo.embedded.config import RunConfigError, load_config
 
@@ -32,8 +33,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--output-dir",
-        default="runs/local_cpu",
-        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/local_cpu)",
+        default=None,
+        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/<config file name>, "
+        "e.g. runs/local_cpu)",
     )
     parser.add_argument(
         "--resume",
@@ -77,13 +79,14 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.trainer import ResumeError, train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
+    output_dir = args.output_dir or str(Path("runs") / Path(args.config).stem)
     try:
-        with OutputDirLock(args.output_dir) as lock:
+        with OutputDirLock(output_dir) as lock:
             if lock.stale:
                 print(f"note: {lock.path} was left by PID {lock.stale.get('pid', '?')} on host "
                       f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
                       file=sys.stderr)
-            summary = train(config, args.output_dir, resume=args.resume)
+            summary = train(config, output_dir, resume=args.resume)
     except (OutputDirLockedError, ResumeError, ModelLoadError, TaskFileError, CheckpointError,
             TrackingConfigError, TrackingUnavailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)

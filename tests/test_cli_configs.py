@@ -1,6 +1,7 @@
-"""A config given to the wrong tool: `bapo-nemo train` with a NeMo-RL config, `bapo-nemo check` or the
-NeMo-RL driver with an embedded one. Each says so in one line naming the right command (run as a user
-runs them), instead of one "unknown key" line per section."""
+"""Configs and the commands that take them, run as a user runs them (subprocesses): a config given to the
+wrong tool (`bapo-nemo train` with a NeMo-RL config, `bapo-nemo check` or the NeMo-RL driver with an
+embedded one) says so in one line naming the right command, instead of one "unknown key" line per
+section; and `bapo-nemo train X.yaml` writes to runs/X unless told otherwise."""
 
 from __future__ import annotations
 
@@ -58,3 +59,21 @@ def test_a_config_that_does_not_say_its_kind_gets_the_tools_own_checks():
     assert config_kind({"grpo": {}, "train": {"updates_per_batch": 2}}) == "embedded"
     assert config_kind({"rollout": {"group_size": 4}}) == "embedded"  # the embedded config's old names
     assert config_kind(["not", "a", "mapping"]) is None
+
+
+# configs/local_cpu.yaml shrunk to one RL step of a tiny model without warm-up (seconds on a CPU)
+TINY_RUN = [
+    "--max-steps", "1", "--no-progress", "warmup.steps=0", "grpo.num_prompts_per_step=2",
+    "grpo.num_generations_per_prompt=2", "partial_rollouts.max_in_flight_groups=4", "task.eval_size=2", "eval.k=1",
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2", "model.num_kv_heads=1",
+]
+
+
+def test_train_without_output_dir_writes_to_runs_named_after_the_config(tmp_path):
+    """`bapo-nemo train mine.yaml` lands in runs/mine, not in runs/local_cpu where another config's
+    checkpoints would stop it ("already holds checkpoints ... pass --resume")."""
+    (tmp_path / "mine.yaml").write_text((REPO / "configs" / "local_cpu.yaml").read_text())
+    run = _run("-m", "bapo_nemo.cli", "train", "mine.yaml", *TINY_RUN, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "runs" / "mine" / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mine"]
