@@ -64,7 +64,8 @@ def test_a_config_that_does_not_say_its_kind_gets_the_tools_own_checks():
 # configs/local_cpu.yaml shrunk to one RL step of a tiny model without warm-up (seconds on a CPU)
 TINY_RUN = [
     "--max-steps", "1", "--no-progress", "warmup.steps=0", "grpo.num_prompts_per_step=2",
-    "grpo.num_generations_per_prompt=2", "partial_rollouts.max_in_flight_groups=4", "task.eval_size=2", "eval.k=1",
+    "grpo.num_generations_per_prompt=2", "partial_rollouts.max_in_flight_groups=4", "task.eval_size=2",
+    "eval.k=1",
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2", "model.num_kv_heads=1",
 ]
 

@@ -7,6 +7,7 @@ loads a downloaded model. Nothing is faked; the `gpu` test runs the same path on
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
 from pathlib import Path
 
@@ -359,24 +360,37 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     )
 
 
-def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from_the_cli(tmp_path):
-    """configs/own_model.yaml as the README runs it (a subprocess of the CLI), pointed at a local model
-    and JSONL file, on CPU, for one step; and a directory that is not a model gives a one-line error."""
+def readme_own_model_command() -> list[str]:
+    """The README's own-model command (the CPU one), as written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("## Your own model and data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    [line] = [x for x in block.replace("\\\n", " ").splitlines() if x.startswith("bapo-nemo train")]
+    return shlex.split(line)
+
+
+def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
+    """The README's own-model command, run as written (a CLI subprocess) in a directory holding
+    my_math.jsonl, on this CPU machine. Only the hub id is swapped for a local model (the tests download
+    nothing) and settings that make it one short step are appended. Its GPU variant (the same without the
+    CPU settings) stops at once naming both settings; with runtime.device=cpu alone it says bf16 autocast
+    runs on the CPU."""
     import subprocess
     import sys
 
+    readme = readme_own_model_command()
+    assert readme[:3] == ["bapo-nemo", "train", "configs/own_model.yaml"]
+    assert "policy.model_name=Qwen/Qwen2.5-0.5B-Instruct" in readme and "--output-dir" not in readme
+    cpu_settings = readme[-2:]
+    assert cpu_settings == ["runtime.device=cpu", "policy.precision=float32"]
     model_dir = save_tiny_model("qwen2", tmp_path)
-    jsonl = tmp_path / "my_math.jsonl"
-    jsonl.write_text(
+    (tmp_path / "configs").symlink_to(Path(__file__).resolve().parents[1] / "configs")
+    (tmp_path / "my_math.jsonl").write_text(
         "".join(json.dumps({"question": r["problem"], "answer": r["final"]}) + "\n" for r in MATH_ROWS)
     )
-    repo = Path(__file__).resolve().parents[1]
-    base = [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml")]
-    small = [
-        f"data.train.data_path={jsonl}",
+    command = [sys.executable, "-m", "bapo_nemo.cli", *readme[1:]]
+    command[command.index("policy.model_name=Qwen/Qwen2.5-0.5B-Instruct")] = f"policy.model_name={model_dir}"
+    one_step = [
         "data.eval_size=4",
-        "runtime.device=cpu",
-        "policy.precision=float32",
         "grpo.num_generations_per_prompt=2",
         "grpo.num_prompts_per_step=2",
         "partial_rollouts.token_budget=8",
@@ -386,25 +400,28 @@ def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from
         "eval.k=1",
         "--no-progress",
     ]
-    done = subprocess.run(
-        [*base, f"policy.model_name={model_dir}", *small, "--output-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+
+    done = run(*command, *one_step)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout[done.stdout.index("{") :])["step"] == 1
-    assert (tmp_path / "run" / "hf_final" / "COMPLETE").is_file()
+    assert (tmp_path / "runs" / "own_model" / "hf_final" / "COMPLETE").is_file()
+    assert "bf16 autocast" not in done.stderr
+
+    gpu = [a for a in command if a not in cpu_settings]
+    if not torch.cuda.is_available():
+        no_gpu = run(*gpu, *one_step)
+        assert no_gpu.returncode == 2
+        [line] = no_gpu.stderr.strip().splitlines()
+        assert line.startswith("error: runtime.device=cuda")
+        assert line.endswith("add runtime.device=cpu policy.precision=float32")
 
     (tmp_path / "empty").mkdir()
-    bad = subprocess.run(
-        [*base, f"policy.model_name={tmp_path / 'empty'}", *small, "--output-dir", str(tmp_path / "run2")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    bad = run(*gpu, "runtime.device=cpu", f"policy.model_name={tmp_path / 'empty'}", *one_step,
+              "--output-dir", "runs/bad")
     assert bad.returncode == 2
+    assert bad.stderr.startswith("note: policy.precision=bfloat16 on CPU: every forward runs under bf16")
     assert bad.stderr.strip().splitlines()[-1].startswith("error: policy.model_name=")
     assert "not a model directory" in bad.stderr

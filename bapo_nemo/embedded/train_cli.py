@@ -63,14 +63,20 @@ def main(args: argparse.Namespace) -> int:
     except RunConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # the CPU settings: bf16 autocast is a GPU setting (slower than fp32 on most CPUs, and less exact)
+    cpu_settings = "runtime.device=cpu" + " policy.precision=float32" * (config.policy.precision != "float32")
     if config.runtime.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             print("error: runtime.device=cuda but torch sees no CUDA GPU (torch "
                   f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine "
-                  "or set runtime.device=cpu", file=sys.stderr)
+                  f"or add {cpu_settings}", file=sys.stderr)
             return 2
+    elif config.policy.precision == "bfloat16":
+        print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
+              "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
+              file=sys.stderr)
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
