@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import warnings
 from pathlib import Path
 
@@ -272,7 +273,7 @@ def test_bad_input_names_the_key_or_file(tmp_path):
     data = write_dataset(tmp_path / "math.parquet", MATH_ROWS)
     # a dataset without the mapped field
     cfg = load_config(None, [f"data.train.data_path={data}", "data.default.output_key=final"])
-    with pytest.raises(DataError, match=r"no column 'question' \(data.default.input_key\).*'problem'"):
+    with pytest.raises(DataError, match=r"no column 'question or prompt' \(data.default.input_key\).*'problem'"):
         load_data(cfg.data, seed=0)
     # a missing file, an unknown format
     cfg = load_config(None, [f"data.train.data_path={tmp_path / 'nope.parquet'}"])
@@ -425,3 +426,99 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
     assert bad.stderr.startswith("note: policy.precision=bfloat16 on CPU: every forward runs under bf16")
     assert bad.stderr.strip().splitlines()[-1].startswith("error: policy.model_name=")
     assert "not a model directory" in bad.stderr
+
+
+REWARD_MODULE = '''
+import json
+
+def digits(prompts, completions, answer, **kwargs):
+    """A reward of one's own, as TRL's reward_funcs are written: one reward per completion."""
+    with open("calls.jsonl", "a") as log:
+        log.write(json.dumps({"prompts": prompts, "completions": completions, "answer": answer,
+                              "other": sorted(kwargs)}) + "\\n")
+    return [len(a) / 10 for a in answer]
+'''
+
+
+def save_eos_model(where: Path) -> Path:
+    """A tiny Qwen2 whose first sampled token is EOS whatever the prompt, so every response finishes and
+    is scored. By construction: the layers add nothing to the residual stream (output projections zero),
+    every embedding has 1 in dimension 0, the final norm keeps dimension 0 alone, and the tied EOS
+    embedding has 11 there: the EOS logit is 11x every other one (about 60 against 5.6)."""
+    model_dir = save_tiny_model("qwen2", where)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        embeddings[:, 0] = 1.0
+        embeddings[eos, 0] = 11.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def test_a_reward_of_ones_own_named_module_function_grades_the_run(tmp_path):
+    """`data.reward=my_rewards:digits` (a module beside the user, written here) grades a run started as a user
+    starts it, on a dataset with TRL's `prompt` column and no column setting. The function is called as TRL
+    calls reward_funcs (prompts, completions, the answer column by name, one completion per call), and the
+    step's reward/mean is the mean of what it returned for the step's groups."""
+    import subprocess
+    import sys
+
+    model_dir = save_eos_model(tmp_path)
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in (1, 7, 40, 95) for b in (2, 5)]
+    (tmp_path / "trl_style.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml"),
+         f"policy.model_name={model_dir}", "data.train.data_path=trl_style.jsonl",
+         "data.reward=my_rewards:digits", "data.prompt_template=Question {prompt}", "runtime.device=cpu",
+         "policy.precision=float32", "data.eval_size=2", "grpo.num_generations_per_prompt=2",
+         "grpo.num_prompts_per_step=3", "partial_rollouts.token_budget=8",
+         "partial_rollouts.max_response_tokens=16", "partial_rollouts.max_in_flight_groups=4",
+         "grpo.max_num_steps=1", "eval.k=1", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = {f"Question {r['prompt']}": r["answer"] for r in rows}
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) >= 3 * 2  # the step's 3 groups of 2 (all finished), plus the held-out rows
+    for call in calls:
+        assert call["other"] == [] and [len(call[k]) for k in ("prompts", "completions", "answer")] == [1, 1, 1]
+        assert answers[call["prompts"][0]] == call["answer"][0]  # the answer of that very prompt
+    run = tmp_path / "runs" / "own_model"
+    [step] = [json.loads(line) for line in (run / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [rows[int(g["prompt_id"].split("#")[0].rsplit("-", 1)[1])]["answer"] for g in step["groups"]]
+    [metrics] = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m["step"] == 1]
+    assert metrics["reward/mean"] == pytest.approx(sum(len(a) / 10 for a in trained) / len(trained))
+
+
+def test_a_reward_that_cannot_be_used_is_one_error_naming_data_reward(tmp_path, monkeypatch):
+    from bapo_nemo.embedded.rewards import reward_function
+    from bapo_nemo.embedded.tasks import Task
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the module's directory is added while resolving it
+    (tmp_path / "shaky_rewards.py").write_text(
+        "def pair(completions, **kwargs):\n    return [1.0, 0.0]\n"
+        "def none(completions, **kwargs):\n    return [None]\n"
+        "def half(completions, answer, **kwargs):\n    return [0.5 for _ in completions]\n"
+    )
+    monkeypatch.delitem(sys.modules, "shaky_rewards", raising=False)
+    task = Task("t-0", "What is 1 + 1?", "2")
+    assert reward_function("shaky_rewards:half", "answer")("2", task) == 0.5
+    with pytest.raises(DataError, match=r"data.reward=no_such_module:f: cannot import module 'no_such_module'"):
+        reward_function("no_such_module:f", "answer")
+    with pytest.raises(DataError, match=r"data.reward=shaky_rewards:missing: .*shaky_rewards.py has no function"):
+        reward_function("shaky_rewards:missing", "answer")
+    with pytest.raises(DataError, match=r"returned \[1.0, 0.0\] for one completion"):
+        reward_function("shaky_rewards:pair", "answer")("2", task)
+    with pytest.raises(DataError, match="returned the reward None: each reward must be a finite number"):
+        reward_function("shaky_rewards:none", "answer")("2", task)
+    with pytest.raises(TypeError, match="answer"):  # the answer comes under its column's name, as in TRL
+        reward_function("shaky_rewards:half", "final")("2", task)

@@ -12,11 +12,12 @@ Loss presets for experiments are plain settings of the `loss_fn.bapo` block:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
@@ -52,9 +53,8 @@ class GRPOConfig(_Section):
 
 
 class DTensorConfig(_Section):
-    activation_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass (less memory, ~30% more compute)."
-    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
+                                           "(less memory, ~30% more compute).")
 
 
 class AdamWKwargs(_Section):
@@ -108,14 +108,11 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+        h, heads, kv = self.hidden_size, self.num_heads, self.num_kv_heads
+        if h % heads:
+            raise ValueError(f"hidden_size={h} must be a multiple of num_heads={heads}")
+        if heads % kv:
+            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv}")
         return self
 
 
@@ -146,7 +143,7 @@ class DatasetConfig(_Section):
 
 
 class ColumnsConfig(_Section):
-    input_key: str = Field("question", description="Column holding the prompt.")
+    input_key: str | None = Field(None, description="Prompt column; null: question, or prompt (TRL's name).")
     output_key: str = Field("answer", description="Column holding the reference answer.")
 
 
@@ -164,8 +161,10 @@ class DataConfig(_Section):
     solution_field: str | None = Field(None, description="Column with reference solutions (for the warm-up).")
     prompt_template: str = Field("{prompt}", description='Each prompt is this text with "{prompt}" replaced.')
     eval_size: int = Field(64, ge=1, description="Rows held out from train without validation.data_path.")
-    reward: Literal["math_verify", "arithmetic"] = Field(
-        "math_verify", description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'."
+    reward: str = Field(
+        "math_verify",
+        description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'. module:function: "
+        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/rewards.py).",
     )
     overlong_prompts: Literal["skip", "truncate"] = Field(
         "skip",
@@ -174,6 +173,13 @@ class DataConfig(_Section):
     )
     max_bad_fraction: float = Field(0.1, ge=0, le=1, description="Most malformed rows tolerated.")
 
+    @field_validator("reward")
+    @classmethod
+    def _reward_named(cls, v: str) -> str:
+        if not re.fullmatch(r"math_verify|arithmetic|[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"{v!r} is not a reward: use math_verify, arithmetic or module:function")
+        return v
+
 
 class WarmupConfig(_Section):
     """Supervised warm-up on reference solutions, so RL starts with signal. Cached in <output_dir>/warmup."""
@@ -181,21 +187,13 @@ class WarmupConfig(_Section):
     steps: int = Field(300, ge=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
-    step_error_rate: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Generated demonstrations: probability that a step's result is off by "
-        "1-2 (the chain continues from it). Imperfect demonstrations leave errors for RL to remove.",
-    )
-    loop_rate: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Generated demonstrations: probability that one gets stuck repeating a step until "
-        "partial_rollouts.max_response_tokens, with no answer. Failing rollouts then run long, as wrong "
-        "long chain-of-thought answers do: negative tokens outnumber positive ones.",
-    )
+    step_error_rate: float = Field(0.0, ge=0, lt=1, description="Generated demonstrations: probability "
+                                   "that a step's result is off by 1-2 (the chain continues from it). "
+                                   "Imperfect demonstrations leave errors for RL to remove.")
+    loop_rate: float = Field(0.0, ge=0, lt=1, description="Generated demonstrations: probability that one "
+                             "gets stuck repeating a step until partial_rollouts.max_response_tokens, with "
+                             "no answer. Failing rollouts then run long, as wrong long chain-of-thought "
+                             "answers do: negative tokens outnumber positive ones.")
 
 
 class ReplayConfig(_Section):

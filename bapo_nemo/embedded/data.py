@@ -59,11 +59,12 @@ def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[T
 def load_tasks(path: str, data_cfg, split: str, key: str) -> list[Task]:
     """Tasks from one source, fields mapped by `data_cfg`; `key` names the config key in messages."""
     rows = _read_rows(Path(path), split, key)
+    columns = list(rows.column_names)
+    data_cfg = _with_prompt_column(data_cfg, columns)
     fields = {"data.default.input_key": data_cfg.default.input_key,
               "data.default.output_key": data_cfg.default.output_key}
     if data_cfg.solution_field:
         fields["data.solution_field"] = data_cfg.solution_field
-    columns = list(rows.column_names)
     for name, column in fields.items():
         if column not in columns:
             raise DataError(
@@ -83,6 +84,14 @@ def load_tasks(path: str, data_cfg, split: str, key: str) -> list[Task]:
     if not tasks:
         raise DataError(f"{path} holds no usable rows")
     return tasks
+
+
+def _with_prompt_column(data_cfg, columns: list[str]):
+    """`data.default.input_key` null: the source's `question` column, else TRL's `prompt`."""
+    if data_cfg.default.input_key is not None:
+        return data_cfg
+    column = next((c for c in ("question", "prompt") if c in columns), "question or prompt")
+    return data_cfg.model_copy(update={"default": data_cfg.default.model_copy(update={"input_key": column})})
 
 
 def _read_rows(path: Path, split: str, key: str):

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, config_differences
-from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, math_verify_reward, truncate_prompt
+from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, truncate_prompt
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
 from bapo_nemo.embedded.model import (
     DTYPES,
@@ -47,6 +47,7 @@ from bapo_nemo.embedded.model import (
     load_pretrained_tokenizer,
     prepare_model,
 )
+from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, run_log, step_line
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
@@ -271,12 +272,7 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
     pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed)
     pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
     eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
-    if cfg.data.reward == "math_verify":
-
-        def score(text: str, task: Task) -> float:
-            return math_verify_reward(text, task.answer)
-    else:
-        score = reward
+    score = reward_function(cfg.data.reward, cfg.data.default.output_key)
     if cfg.data.overlong_prompts == "truncate":
         return (lambda task: truncate_prompt(encode(task), max_prompt)), eval_tasks, pool, score
     return encode, eval_tasks, pool, score
