@@ -6,6 +6,7 @@ section; and `bapo-nemo train X.yaml` writes to runs/X unless told otherwise."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,52 @@ def test_train_without_output_dir_writes_to_runs_named_after_the_config(tmp_path
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "runs" / "mine" / "checkpoints" / "step_1" / "COMPLETE").is_file()
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mine"]
+
+
+def _examples(help_text: str, command: str) -> list[list[str]]:
+    """The argv after `command` of each example line in a --help text (an env prefix and a trailing
+    parenthetical comment dropped)."""
+    lines = help_text.split("examples:", 1)[1].splitlines()
+    found = []
+    for line in lines:
+        if command not in line:
+            continue
+        words = shlex.split(line.split("  (")[0])
+        start = next(i for i in range(len(words)) if " ".join(words[i:]).startswith(command))
+        found.append(words[start + len(command.split()):])
+    return found
+
+
+def test_the_driver_help_shows_its_hydra_overrides_and_how_it_differs_from_bapo_nemo_train(tmp_path):
+    from bapo_nemo.nemo.driver import parse_args
+
+    out = _run("-m", "bapo_nemo.train", "--help", cwd=tmp_path).stdout
+    flat = " ".join(out.split())
+    assert "[key=value ...]" in flat and "Hydra-style overrides" in flat and "++a.b=1 adds or sets" in flat
+    assert "Not to be mixed up with `bapo-nemo train CONFIG" in flat and "configs/local_cpu.yaml" in flat
+    examples = _examples(out, "python -m bapo_nemo.train")
+    assert len(examples) == 3
+    for argv in examples:
+        args, overrides = parse_args(argv)
+        assert args.config.startswith("configs/") and overrides == [a for a in argv if "=" in a]
+    # what slurm/bapo_32b.sbatch passes (options and overrides intermixed)
+    args, overrides = parse_args(["--config", "c.yaml", "checkpointing.checkpoint_dir=/o/checkpoints",
+                                  "logger.log_dir=/o/logs", "--skip-checks", "cluster.num_nodes=2"])
+    assert args.skip_checks and overrides == ["checkpointing.checkpoint_dir=/o/checkpoints",
+                                              "logger.log_dir=/o/logs", "cluster.num_nodes=2"]
+
+
+@pytest.mark.parametrize("command", ["check", "report", "export"])
+def test_help_carries_examples_the_command_accepts(command, tmp_path):
+    import argparse
+    import importlib
+
+    from bapo_nemo.cli import COMMANDS
+
+    out = _run("-m", "bapo_nemo.cli", command, "--help", cwd=tmp_path).stdout
+    examples = _examples(out, f"bapo-nemo {command}")
+    assert len(examples) >= 3, out
+    parser = argparse.ArgumentParser()
+    importlib.import_module(COMMANDS[command][0]).configure_parser(parser)
+    for argv in examples:
+        parser.parse_intermixed_args(argv)  # SystemExit on an example the command does not accept

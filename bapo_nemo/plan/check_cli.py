@@ -41,6 +41,16 @@ from bapo_nemo.plan.step_time import (
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  bapo-nemo check configs/bapo_32b.yaml --nodes 8 --gpus-per-node 8\n"
+        "  bapo-nemo check configs/bapo_7b.yaml --nodes 1 --gpus-per-node 8 --gpu h200-141gb --json\n"
+        "  bapo-nemo check configs/bapo_32b.yaml --nodes 8 --gpus-per-node 8 "
+        "policy.max_total_sequence_length=65536\n"
+        "  bapo-nemo check configs/bapo_7b.yaml --nodes 1 --gpus-per-node 8 --response-lengths lengths.txt\n"
+        "Exit 1 on any error. Embedded configs (configs/local_cpu.yaml) are for `bapo-nemo train`."
+    )
     parser.add_argument("config", help="NeMo-RL master config (YAML; `defaults:` inheritance is followed)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra-style overrides, e.g. cluster.num_nodes=8 ++a.b=1"
