@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def _no_trainer_outlives_its_test():
             proc.wait(timeout=30)
 
 
-def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
+def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
         [
@@ -82,7 +83,7 @@ def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
             "--output-dir",
             str(out),
             "--resume",
-            "--json",
+            *(["--json"] if json_summary else []),
             *extra,
         ],
         stdout=subprocess.PIPE,
@@ -186,14 +187,19 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     config, out = _write_config(tmp_path), tmp_path / "run"
-    proc = _launch(config, out, "train.max_steps=400")
+    proc = _launch(config, out, "train.max_steps=400", json_summary=False)
     _wait_for_checkpoint(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout[stdout.index("{") :])
-    assert summary["stopped_by_signal"] == "SIGTERM"
-    stopped = summary["step"]
+    # the end in words: where it stopped, and the command that continues it
+    lines = stdout.splitlines()
+    match = re.fullmatch(rf"stopped by SIGTERM at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
+                         r"step_(\d+)", lines[0])
+    assert match and match.group(1) == match.group(2), stdout
+    assert f"  bapo-nemo train {config} train.max_steps=400 --output-dir {out} --resume   # continue where it stopped" \
+        in lines, stdout
+    stopped = int(match.group(1))
     assert 2 <= stopped < 400
     assert complete_checkpoints(out)[-1].name == f"step_{stopped}"  # the step it finished, checkpointed
     assert not (out / "hf_final").exists()  # not done: a requeued job resumes
