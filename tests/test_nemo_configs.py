@@ -17,7 +17,7 @@ from bapo_nemo.plan.config_io import load_nemo_config
 from bapo_nemo.plan.schema import known_keys
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-OURS = ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml"]
+OURS = ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"]
 
 
 # ---- CPU: the driver refuses what `bapo-nemo check` refuses ---------------------------------------
