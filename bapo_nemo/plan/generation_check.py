@@ -132,7 +132,13 @@ class GenerationReport:
         return stats.tokens_per_s / self.without.tokens_per_s
 
 
-@functools.lru_cache(maxsize=16)  # check asks once for its findings and once for its output
+# One simulation per distinct setting in a process (the sweep shares runs with the config's own block,
+# and repeated checks of one config reuse them).
+_partial = functools.lru_cache(maxsize=64)(simulate_partial)
+_without = functools.lru_cache(maxsize=16)(simulate_without_partial)
+_validation = functools.lru_cache(maxsize=32)(simulate_validation)
+
+
 def generation_report(
     shape: RolloutShape,
     lengths: LengthModel,
@@ -145,24 +151,19 @@ def generation_report(
     report = GenerationReport(
         shape=shape,
         response_tokens=expected_response_tokens(shape, lengths),
-        without=simulate_without_partial(shape, lengths, steps=steps),
-        validation_without_s=simulate_validation(shape, lengths),
+        without=_without(shape, lengths, steps=steps),
+        validation_without_s=_validation(shape, lengths),
         prefill_batches=prefill_batches,
     )
     cap = (partial.max_response_tokens if partial else None) or shape.max_new_tokens
     base = partial or PartialRolloutConfig(token_budget=cap, stale_segments="keep")
     if partial is not None:
-        report.configured = simulate_partial(shape, lengths, partial, prefill_batches, steps=steps)
+        report.configured = _partial(shape, lengths, partial, prefill_batches, steps=steps)
         report.configured_budget = partial.token_budget
-        report.validation_configured_s = simulate_validation(shape, lengths, partial)
+        report.validation_configured_s = _validation(shape, lengths, partial)
     if sweep:
         for budget in budget_grid(min(cap, shape.response_cap), partial.token_budget if partial else None):
-            if partial is not None and budget == partial.token_budget and covering(base, budget, cap) == partial:
-                report.sweep[budget] = report.configured
-                continue
-            report.sweep[budget] = simulate_partial(
-                shape, lengths, covering(base, budget, cap), prefill_batches, steps=steps
-            )
+            report.sweep[budget] = _partial(shape, lengths, covering(base, budget, cap), prefill_batches, steps=steps)
     return report
 
 
