@@ -273,6 +273,36 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert run.data.tags.get("bapo.runtime") == "nemo_rl"
 
 
+def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray_head, standins, tiny_assets):
+    """loss_fn.bapo.step_bounds_sample: 0.5 through the real loop. 4 prompts x 2 samples, 2 optimizer
+    steps of 2 groups per rollout batch, micro-batches of one group: the first step of each rollout batch
+    clips with the search over its whole global batch, the second with the search over one of its two
+    groups (the sampled one) at the current weights."""
+    import torch
+
+    from bapo_nemo.algorithm import search_clip_bounds
+
+    config = tiny_config(
+        tmp_path, tiny_assets, "step",
+        grpo={"num_prompts_per_step": 4, "num_generations_per_prompt": 2},
+        loss_fn={"bapo": {"granularity": "step", "step_bounds_sample": 0.5}},
+    )
+    assert run_driver(config) == 0
+    calls = standins.TRAIN_CALLS
+    assert len(calls) == 8  # 2 GRPO steps x 2 optimizer steps x 2 micro-batches
+    options = bapo_options(config)
+    for start in range(0, 8, 4):
+        first, second = calls[start : start + 2], calls[start + 2 : start + 4]
+        parts = [loss_inputs(c) for c in first]
+        whole = search_clip_bounds(*(torch.cat([p[i] for p in parts]) for i in range(3)), options)
+        for call in first:
+            assert (used(call, "c_low"), used(call, "c_high")) == pytest.approx((whole.c_low, whole.c_high), abs=1e-6)
+        per_group = [search_clip_bounds(*loss_inputs(c), options) for c in second]
+        got = (used(second[0], "c_low"), used(second[0], "c_high"))
+        assert got == pytest.approx((used(second[1], "c_low"), used(second[1], "c_high")), abs=1e-9)
+        assert any(got == pytest.approx((r.c_low, r.c_high), abs=1e-6) for r in per_group)
+
+
 def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
     """The cluster configs' BAPO block (configs/bapo_7b.yaml, inherited by both 32B configs) is what the
     bounds test above runs with a tiny model: its granularity must be one of the modes it runs, so the

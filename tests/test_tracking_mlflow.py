@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bapo_nemo.tracking.mlflow_tracker import (
+    EXPERIMENT_KIND_TAG,
     MlflowTracker,
     TrackingConfigError,
     TrackingUnavailableError,
@@ -292,6 +293,26 @@ def test_resume_with_changed_param_keeps_old_value_and_tags_the_change(tmp_path,
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.params == {"steps": "10", "lr": "0.1"}
     assert run.data.tags["bapo.params_changed_on_resume"] == "steps"
+
+
+def test_experiments_are_marked_as_training_ones_and_a_chosen_kind_stays(tmp_path, sqlite_uri):
+    """MLflow 3's experiment kind: a new experiment is created as a training one; one without a kind (as
+    NeMo-RL's logger creates it) gets it when a run is resumed in it; a kind someone chose is kept. The
+    tracker knows the experiment id either way (the run's UI link needs it)."""
+    client = MlflowClient(sqlite_uri)
+    fresh = MlflowTracker(sqlite_uri, "fresh", buffer_dir=tmp_path)
+    fresh.start({}, {})
+    experiment = client.get_experiment_by_name("fresh")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert fresh.experiment_id == experiment.experiment_id
+    bare = client.create_experiment("bare")
+    resumed = MlflowTracker(sqlite_uri, "bare", run_id=client.create_run(bare).info.run_id, buffer_dir=tmp_path)
+    resumed.start({}, {})
+    assert client.get_experiment(bare).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert resumed.experiment_id == bare
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    MlflowTracker(sqlite_uri, "chosen", buffer_dir=tmp_path).start({}, {})
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
 
 @pytest.mark.parametrize("uri", ["/tmp/mlruns", "file:///tmp/mlruns", "./mlruns", "sqlite://relative.db", ""])

@@ -57,7 +57,7 @@ def bapo_nemo(*args: str, cwd: Path, timeout: float = 300, env: dict | None = No
 
 def start_training(cfg: Path, cwd: Path) -> subprocess.Popen:
     """`bapo-nemo train CFG --output-dir out` in the background (the caller stops and reaps it)."""
-    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out", "--json"],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
 
 
@@ -379,7 +379,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(trained, tmp_path, damaged):
     assert "Traceback" not in done.stderr
     assert f"skipping checkpoint step_3: {damaged} is truncated" in done.stderr, done.stderr[-3000:]
     assert "resuming from step 2" in done.stderr
-    assert json.loads(done.stdout[done.stdout.index("{"):])["step"] == 4
+    assert json.loads((run / "summary.json").read_text())["step"] == 4
     assert _mlflow_status(run) == "FINISHED"
 
 

@@ -1,7 +1,8 @@
 """Checkpoints of the embedded trainer (the layout other tools read):
 
 <output_dir>/checkpoints/step_<N>/
-    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json)
+    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json) and the
+                         tokenizer as hf_final has it: AutoModelForCausalLM / AutoTokenizer.from_pretrained load it
     tokenizer/           HF tokenizer files
     trainer_state.pt     optimizer, RNG states, step, policy version, warm-up and eval history
     rollout_state.json   partial-rollout manager (in-flight segments) and replay buffer
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-from bapo_nemo.embedded.tokenizer import save_tokenizer
+from bapo_nemo.embedded.tokenizer import save_inference_tokenizer, save_tokenizer
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -173,6 +174,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, tmp / "model")
+    save_inference_tokenizer(tokenizer, tmp / "model")  # beside the weights: one directory to load
     save_tokenizer(tokenizer, tmp / "tokenizer")
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))

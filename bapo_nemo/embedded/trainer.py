@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,8 @@ from bapo_nemo.embedded.model import (
 )
 from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
-from bapo_nemo.embedded.run_log import LOGGER, run_log, step_line
+from bapo_nemo.embedded.run_log import LOGGER, progress_postfix, run_log, step_line
+from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
 from bapo_nemo.embedded.tokenizer import load_tokenizer, save_inference_tokenizer
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
@@ -84,12 +85,7 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
                     run.step += 1
                     metrics = _record_step(run, outcome)
                     bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward/mean']:.2f}",
-                        acc=f"{run.history['eval'][-1]['eval/avg_at_k']:.2f}",
-                        c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
-                        c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
-                    )
+                    bar.set_postfix(progress_postfix(metrics, run.history["eval"][-1], cfg.eval.k))
                 bar.close()
             return _finish(run)
         except KeyboardInterrupt:
@@ -131,6 +127,7 @@ class _Run:
     metrics_log: _MetricsLog
     groups_log: _MetricsLog
     stop: _StopFlag
+    spread_watch: ZeroSpreadWatch = field(default_factory=ZeroSpreadWatch)
 
 
 def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
@@ -372,12 +369,16 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     """Metrics of the step just taken (to MLflow and metrics.jsonl), the trained groups, samples, held-out
     evaluation and checkpoint when due. Returns the step's metrics."""
     cfg, step = run.cfg, run.step
-    metrics = _step_metrics(outcome, run.learner.version)
+    metrics = step_metrics(outcome, run.learner.version)
     if step % cfg.grpo.val_period == 0 or step == cfg.grpo.max_num_steps:
         metrics.update(_run_eval(run, step))
     run.tracker.log_metrics(_finite(metrics), step=step)
     run.metrics_log.write({"step": step, **metrics})
-    log.info(step_line(step, cfg.grpo.max_num_steps, metrics))
+    log.info(step_line(step, cfg.grpo.max_num_steps, metrics, cfg.eval.k))
+    warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
+    if warning:  # console, train.log and the MLflow run
+        log.warning(warning)
+        run.tracker.log_tags({ZERO_SPREAD_TAG: warning})
     run.groups_log.write(
         {
             "step": step,
@@ -397,43 +398,6 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
         )
     if step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps or run.stop.requested:
         _save(run, step)
-    return metrics
-
-
-def _step_metrics(outcome: StepOutcome, version: int) -> dict[str, float]:
-    updates, t = outcome.updates, outcome.times
-    fresh = [x for rs in outcome.rewards[: len(outcome.groups)] for x in rs]
-    lengths = [len(r.response_token_ids) for g in outcome.groups for r in g.rollouts]
-    # correct vs wrong response lengths: when wrong ones are longer, negative tokens dominate the loss
-    correct = [n for n, x in zip(lengths, fresh) if x > 0]
-    wrong = [n for n, x in zip(lengths, fresh) if x <= 0]
-    generated = outcome.generated_tokens
-    metrics = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
-    # A mini-batch whose groups all have one reward has no advantage, no share and no gradient: its
-    # rho (reported as 1) would bias the step's mean, so the share is averaged over the others.
-    signal = [u for u in updates if u.get("bapo/positive_mass", 0) + u.get("bapo/negative_mass", 0) > 0]
-    for key in ("bapo/rho", "bapo/rho_initial"):
-        if signal and key in metrics:
-            metrics[key] = sum(u[key] for u in signal) / len(signal)
-    metrics.update(
-        {
-            "reward/mean": sum(fresh) / len(fresh),
-            "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
-            "train/response_length_mean": sum(lengths) / len(lengths),
-            "train/response_length_max": float(max(lengths)),
-            **({"train/response_length_correct": sum(correct) / len(correct)} if correct else {}),
-            **({"train/response_length_wrong": sum(wrong) / len(wrong)} if wrong else {}),
-            "train/token_staleness_mean": outcome.token_staleness,
-            "train/replayed_groups": float(len(outcome.replayed)),
-            "train/policy_version": float(version),
-            "perf/generated_tokens": float(generated),
-            "perf/generation_tokens_per_s": generated / max(t["generated"] - t["start"], 1e-9),
-            "perf/tokens_per_s": generated / max(t["end"] - t["start"], 1e-9),
-            "perf/step_time_s": t["end"] - t["start"],
-            "perf/step_cpu_s": t["cpu"],  # = wall time alone on the machine (1 thread)
-            **{k: v for k, v in outcome.rollout_stats.items() if not k.startswith("rollout/segments_hist")},
-        }
-    )
     return metrics
 
 
@@ -503,6 +467,7 @@ def _finish(run: _Run) -> dict[str, Any]:
         "stopped_by_signal": run.stop.signal_name,
         "mlflow_run_id": run.run_id,
         "mlflow_tracking_uri": run.tracking_uri,
+        "mlflow_experiment_id": run.tracker.experiment_id,
         "output_dir": str(output_dir),
         "warmup": history["warmup"],
         "eval_start": start_eval,
@@ -526,26 +491,28 @@ def _finish(run: _Run) -> dict[str, Any]:
         save_inference_tokenizer(run.learner.tokenizer, final)
         (final / "COMPLETE").write_text(f"step {step}\n")
     summary["hf_final"] = str(output_dir / "hf_final")
+    summary["plot"] = _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     run.tracker.log_artifact(output_dir / "summary.json")
-    _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
     run.tracker.finish("FINISHED")
     log.info(f"finished at step {step}: {output_dir / 'hf_final'}")
     return summary
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> None:
-    """The run's training-dynamics panels as a PNG artifact; a tracking outage only loses the plot."""
+def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> str | None:
+    """The run's training-dynamics panels as a PNG artifact (returns its path); a tracking outage only loses
+    the plot."""
     from bapo_nemo.tracking.report import log_run_plot
 
     if tracker.flush():
-        print("tracking server unreachable: metrics stay journaled; no training plot this time")
-        return
+        print("tracking server unreachable: metrics stay journaled; no training plot this time", file=sys.stderr)
+        return None
     try:
-        log_run_plot(tracking_uri, run_id, out_dir)
+        return str(log_run_plot(tracking_uri, run_id, out_dir))
     except Exception as exc:  # noqa: BLE001 (the plot is a convenience; never fail a finished run for it)
-        print(f"could not log the training plot ({type(exc).__name__}: {exc})")
+        print(f"could not log the training plot ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
 
 
 def _rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:

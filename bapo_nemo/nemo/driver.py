@@ -123,7 +123,12 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
     if not options.bapo.enabled or options.bapo.granularity != "step":
         return
     policy.train = StepBoundsTrainer(
-        policy, options, master_config.loss_fn.model_dump(), master_config.policy["train_global_batch_size"]
+        policy,
+        options,
+        master_config.loss_fn.model_dump(),
+        master_config.policy["train_global_batch_size"],
+        group_size=master_config.grpo["num_generations_per_prompt"],
+        seed=master_config.grpo.get("seed", 0),
     )
 
 

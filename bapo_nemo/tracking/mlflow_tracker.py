@@ -44,6 +44,13 @@ _METRICS_PER_BATCH = 1000  # MLflow log_batch limits
 _PARAMS_PER_BATCH = 100
 _TAGS_PER_BATCH = 100
 _PROGRESS_MIN_RECORDS = 200
+# The experiment tag MLflow 3 uses to tell a training experiment from a GenAI one (its UI writes it when a
+# user picks the type; the UIs that introduced experiment types open the experiment in the view it names).
+# The UI of MLflow 3.17 picks the view from its sidebar's GenAI / Model training switch instead (the
+# `workflowType` URL parameter, else the browser's last choice; docs/tracking.md), so the UI link a run
+# prints carries that parameter.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
 
 
 class TrackingConfigError(ValueError):
@@ -111,6 +118,7 @@ class MlflowTracker:
         self.experiment_name = experiment_name
         self.run_name = run_name
         self._run_id = run_id
+        self.experiment_id: str | None = None  # known once start() reached the store
         self.buffer_dir = Path(buffer_dir) if buffer_dir is not None else Path.cwd() / ".bapo_mlflow_buffer"
         self.retry_interval_s = retry_interval_s
         if _is_remote(self.tracking_uri):
@@ -171,6 +179,12 @@ class MlflowTracker:
         if values:
             self._journal({"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values})
             self._send_pending()
+
+    def log_tags(self, tags: Mapping[str, str]) -> None:
+        """Set run tags (e.g. a warning the UI should show on the run's page); journaled like metrics."""
+        self._require_started()
+        self._journal({"kind": "tags", "tags": redact({str(k): str(v) for k, v in tags.items()})})
+        self._send_pending()
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or directory; when the server is down a copy waits in the buffer directory."""
@@ -241,6 +255,7 @@ class MlflowTracker:
                 experiment_id = self.client.create_experiment(
                     self.experiment_name,
                     artifact_location=_sqlite_artifact_root(self.tracking_uri, self.experiment_name),
+                    tags={EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT_KIND},
                 )
             else:
                 if experiment.lifecycle_stage == "deleted":
@@ -249,7 +264,9 @@ class MlflowTracker:
                         "choose another experiment name"
                     )
                 experiment_id = experiment.experiment_id
+                self._mark_training_experiment(experiment)
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+            self.experiment_id = experiment_id
         except TrackingConfigError:
             raise
         except Exception as exc:
@@ -258,6 +275,11 @@ class MlflowTracker:
                 f"{exc}. Start the tracking server (or use sqlite:///<dir>/mlflow.db) and retry."
             ) from exc
         self._run_id = run.info.run_id
+
+    def _mark_training_experiment(self, experiment) -> None:
+        """Tag an experiment that has no kind yet as a training one (a kind someone chose stays)."""
+        if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
+            self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
     def _log_resolved_config(self, params: Mapping[str, Any]) -> None:
         """The resolved config as a YAML artifact (secrets redacted), next to the flattened params."""
@@ -285,6 +307,11 @@ class MlflowTracker:
             self._offline_until = time.monotonic() + self.retry_interval_s
             return True
         self._existing_params = dict(run.data.params)
+        self.experiment_id = run.info.experiment_id
+        try:  # e.g. NeMo-RL's logger made the experiment; cosmetic, so never fatal
+            self._mark_training_experiment(self.client.get_experiment(self.experiment_id))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not tag experiment %s as a training experiment: %s", self.experiment_id, exc)
         if run.info.status != "RUNNING":
             try:
                 self.client.update_run(self._run_id, status="RUNNING")
