@@ -195,7 +195,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     match = re.fullmatch(rf"stopped by SIGTERM at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
                          r"step_(\d+)", lines[0])
     assert match and match.group(1) == match.group(2), stdout
-    assert f"  bapo-nemo train {config} train.max_steps=400 --output-dir {out} --resume   # continue where it stopped" \
+    assert f"  bapo-nemo train {config} grpo.max_num_steps=400 --output-dir {out} --resume   # continue where it stopped" \
         in lines, stdout
     stopped = int(match.group(1))
     assert 2 <= stopped < 400
@@ -408,8 +408,8 @@ def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_t
     data = json.loads(json.dumps(TINY))
     data["runtime"]["progress"] = True
     data["task"].update(train_file="train.jsonl", eval_file="eval.jsonl")
-    data["train"]["max_steps"] = 4
-    data["eval"] = {"every": 2, "k": 2}
+    data["grpo"].update(max_num_steps=4, val_period=2)
+    data["eval"] = {"k": 2}
     config = _write_config(tmp_path, data)
     done = _cli("train", config.name, "--output-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -471,7 +471,7 @@ def test_a_failed_run_log_ends_with_the_line_the_console_ends_with(tmp_path, mis
     (no solutions to warm up on: an unexpected error) both end train.log with the console's last line."""
     data = json.loads(json.dumps(TINY))
     if mistake == "tracking server down":
-        data["tracking"]["tracking_uri"] = "http://127.0.0.1:9"
+        data["logger"] = {"mlflow": {"tracking_uri": "http://127.0.0.1:9"}}
     else:
         (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": f"{a}+1?", "answer": str(a + 1)}) + "\n"
                                                       for a in range(1, 10)))
