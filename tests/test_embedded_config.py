@@ -208,6 +208,23 @@ def test_a_bapo_block_tuned_on_one_machine_pastes_into_a_cluster_config(tmp_path
     assert (pasted.rho0, pasted.measure, pasted.ratio_reference) == (0.4, "gradient", "behavior")
 
 
+def test_step_bounds_sample_is_one_key_of_the_block_and_only_the_exact_search_runs_here():
+    """`step_bounds_sample` belongs to the shared block: NeMo-RL's side keeps the value it is given; the
+    embedded step-wide search is always exact, so 1 loads here and any other value is refused in one line
+    naming the key (never silently ignored)."""
+    from bapo_nemo.algorithm.options import NemoBAPOOptions
+
+    assert NemoBAPOOptions.parse({"granularity": "step", "step_bounds_sample": 0.5}).step_bounds_sample == 0.5
+    local = REPO / "configs" / "local_cpu.yaml"
+    assert load_config(local, ["loss_fn.bapo.step_bounds_sample=1"]).loss_fn.bapo.step_bounds_sample == 1.0
+    with pytest.raises(RunConfigError) as refused:
+        load_config(local, ["loss_fn.bapo.step_bounds_sample=0.5"])
+    assert str(refused.value).splitlines()[1:] == [
+        ("  loss_fn.bapo: step_bounds_sample=0.5 is for NeMo-RL runs (a sampled extra log-prob pass); the "
+         "embedded trainer's step-wide search is always exact: set 1 or leave it out")
+    ]
+
+
 OLD_STYLE = """\
 seed: 3
 rollout:

@@ -210,6 +210,17 @@ class LossFnConfig(_Section):
         2.0, gt=0, description="bapo.ratio_reference=proximal: cap of the importance weight pi_prox / pi_gen."
     )
 
+    @field_validator("bapo")
+    @classmethod
+    def _step_search_exact(cls, bapo: BAPOBlock) -> BAPOBlock:
+        # Refused rather than ignored: a sampled search here would not be the one the value asks for.
+        if bapo.step_bounds_sample != 1:
+            raise ValueError(
+                f"step_bounds_sample={bapo.step_bounds_sample:g} is for NeMo-RL runs (a sampled extra log-prob "
+                "pass); the embedded trainer's step-wide search is always exact: set 1 or leave it out"
+            )
+        return bapo
+
 
 class LossConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus (the paper uses none).")
