@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bapo_nemo.config_kind import config_kind
 
@@ -73,12 +74,30 @@ TINY_RUN = [
 
 def test_train_without_output_dir_writes_to_runs_named_after_the_config(tmp_path):
     """`bapo-nemo train mine.yaml` lands in runs/mine, not in runs/local_cpu where another config's
-    checkpoints would stop it ("already holds checkpoints ... pass --resume")."""
+    checkpoints would stop it ("already holds checkpoints ... pass --resume"); the summary it ends with
+    points there. --seed sets grpo.seed."""
     (tmp_path / "mine.yaml").write_text((REPO / "configs" / "local_cpu.yaml").read_text())
-    run = _run("-m", "bapo_nemo.cli", "train", "mine.yaml", *TINY_RUN, cwd=tmp_path)
+    run = _run("-m", "bapo_nemo.cli", "train", "mine.yaml", *TINY_RUN, "--seed", "3", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "runs" / "mine" / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    checkpoint = tmp_path / "runs" / "mine" / "checkpoints" / "step_1"
+    assert (checkpoint / "COMPLETE").is_file()
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mine"]
+    assert yaml.safe_load((checkpoint / "config.yaml").read_text())["grpo"]["seed"] == 3
+    lines = run.stdout.splitlines()
+    assert lines[0] == "finished 1 RL steps in runs/mine", run.stdout
+    assert "  (for scripts: runs/mine/summary.json, or --json)" in lines
+
+
+def test_a_failed_run_without_output_dir_ends_its_log_in_runs_named_after_the_config(tmp_path):
+    """The error a run ends with is the last line of the train.log of the directory it ran in."""
+    (tmp_path / "down.yaml").write_text((REPO / "configs" / "local_cpu.yaml").read_text())
+    run = _run("-m", "bapo_nemo.cli", "train", "down.yaml", *TINY_RUN, "logger.mlflow.tracking_uri=http://127.0.0.1:9",
+               cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not create an MLflow run")
+    log = (tmp_path / "runs" / "down" / "train.log").read_text().strip().splitlines()
+    assert log[-1].split(" ", 1)[1] == last  # after the timestamp
 
 
 def _examples(help_text: str, command: str) -> list[list[str]]:

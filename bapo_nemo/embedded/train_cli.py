@@ -43,7 +43,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="resume from the newest COMPLETE checkpoint in --output-dir if there is one, "
         "else start fresh (so a requeued job can always pass it)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
+    parser.add_argument("--seed", type=int, default=None, help="override grpo.seed")
     parser.add_argument("--max-steps", type=int, default=None, help="override grpo.max_num_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
     parser.add_argument("--json", action="store_true",
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     on stderr naming the key or file and the fix)."""
     overrides = list(args.overrides)
     if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
+        overrides.append(f"grpo.seed={args.seed}")
     if args.max_steps is not None:
         overrides.append(f"grpo.max_num_steps={args.max_steps}")
     if args.no_progress:
