@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # expected errors are reported by the sub-command; this is the last resort
         if getattr(args, "debug", False):
             raise
+        from bapo_nemo.tracking.redact import redact_text
+
         where = _innermost_frame(exc)
-        print(f"bapo-nemo {name}: error: {type(exc).__name__}: {exc}{where} (run again with --debug for the "
-              "traceback)", file=sys.stderr)
+        print(f"bapo-nemo {name}: error: {type(exc).__name__}: {redact_text(str(exc))}{where} (run again with "
+              "--debug for the traceback)", file=sys.stderr)
         return 1
 
 

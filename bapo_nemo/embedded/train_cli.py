@@ -7,6 +7,7 @@ import json
 import sys
 
 from bapo_nemo.embedded.config import RunConfigError, load_config
+from bapo_nemo.tracking.redact import redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except RunConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     if config.runtime.device == "cuda":
         import torch
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
-    from bapo_nemo.embedded.run_lock import OutputDirLock, OutputDirLockedError
+    from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import ResumeError, train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
@@ -84,9 +85,9 @@ def main(args: argparse.Namespace) -> int:
                       f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
                       file=sys.stderr)
             summary = train(config, args.output_dir, resume=args.resume)
-    except (OutputDirLockedError, ResumeError, ModelLoadError, TaskFileError, CheckpointError,
+    except (OutputDirError, ResumeError, ModelLoadError, TaskFileError, CheckpointError,
             TrackingConfigError, TrackingUnavailableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}
     print(
