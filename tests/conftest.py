@@ -60,3 +60,11 @@ def pytest_collection_modifyitems(config, items):
         if "nemo_rl" in item.keywords and not nemo:
             item.add_marker(skip_nemo)
 
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Path:
+    """A finished 3-step tiny run, shared by the user-error tests (each copies it before changing it)."""
+    from test_user_errors import train_tiny_run
+
+    return train_tiny_run(tmp_path_factory.mktemp("trained"))
