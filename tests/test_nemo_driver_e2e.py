@@ -56,7 +56,7 @@ def ray_head():
     address = f"127.0.0.1:{port}"
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address
-    deadline = time.time() + 90
+    deadline = time.time() + 300  # a hang guard: a loaded 2-core machine took 25 s at load 10
     while True:
         try:
             ray.init(address=address, log_to_driver=False)
