@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import threading
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -426,6 +427,8 @@ class TinySampler:
     on the circle: any set of responses of probability >= 2^-k whose quantiles form an interval (e.g. all
     responses starting "3+2=5<eos>") receives at least one of them. vLLM draws a group's samples
     independently; the tests need only each sample's law (the behaviour log-probs) to be the model's.
+    Samplers with the same seed draw the same quantiles: a group split over several must give each its
+    own seed (it is then stratified within each sampler only).
     Once a draw's u has lost float64 resolution (a response less likely than ~1e-10), it continues with
     fresh uniforms of its own."""
 
@@ -436,6 +439,7 @@ class TinySampler:
         self.version = 0
         self.segments: list[dict[str, Any]] = []
         self.draws: dict[tuple[int, ...], int] = defaultdict(int)  # draws taken so far, per context
+        self._draws_lock = threading.Lock()  # a worker may serve concurrent requests
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> bool:
         self.model.load_state_dict(weights)
@@ -490,8 +494,9 @@ class TinySampler:
         )
 
     def _next_draw(self, context: tuple[int, ...]) -> int:
-        n = self.draws[context]
-        self.draws[context] = n + 1
+        with self._draws_lock:
+            n = self.draws[context]
+            self.draws[context] = n + 1
         return n
 
     def take_segments(self) -> list[dict[str, Any]]:
