@@ -60,6 +60,15 @@ def start_training(cfg: Path, cwd: Path) -> subprocess.Popen:
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
 
 
+def wait_while_running(proc: subprocess.Popen, ready, what: str) -> None:
+    """Until ready() holds, for as long as the training runs: the test's next step needs that state, and
+    a loaded machine only makes it come later (pytest's timeout bounds a hang)."""
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.1)
+
+
 def write_config(directory: Path, data: dict | None = None, name: str = "tiny.yaml") -> Path:
     path = directory / name
     path.write_text(yaml.safe_dump(TINY if data is None else data))
@@ -395,9 +404,7 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
     first = start_training(cfg, tmp_path)
     try:
         lock = tmp_path / "out" / ".lock"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (lock.is_file() and lock.read_text().strip()):
-            time.sleep(0.1)
+        wait_while_running(first, lambda: lock.is_file() and lock.read_text().strip(), "it took the lock")
         second = bapo_nemo("train", str(cfg), "--output-dir", "out", "--resume", cwd=tmp_path)
         assert first.poll() is None, "the first run ended before the second started: the test proves nothing"
         first.send_signal(signal.SIGTERM)
@@ -476,10 +483,8 @@ def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
     proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None and not (
-                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.1)
+        wait_while_running(proc, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2,
+                           "its first RL step")
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=240)
     finally:
