@@ -8,6 +8,7 @@ Nothing is faked.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -91,14 +92,18 @@ GOOD_ROWS = [{"question": f"{a}+{b}?", "answer": str(a + b), "solution": f"{a}+{
              for a in range(1, 10) for b in range(1, 4)]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 3-step run with checkpoints step_0..step_3 (each test copies it before changing it)."""
-    root = tmp_path_factory.mktemp("trained")
-    done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (root / "stderr.txt").write_text(done.stderr)
-    return root / "run"
+@pytest.fixture(scope="session")
+def trained(built_once) -> Path:
+    """A finished 3-step run with checkpoints step_0..step_3, trained once for all workers (each test copies
+    it before changing it)."""
+
+    def build(root: Path) -> None:
+        done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (root / "stderr.txt").write_text(done.stderr)
+
+    key = hashlib.sha256(yaml.safe_dump(TINY).encode()).hexdigest()[:12]
+    return built_once(f"trained-run-{key}", build) / "run"
 
 
 def copy_run(trained: Path, tmp_path: Path) -> Path:
