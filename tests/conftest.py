@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,15 +126,29 @@ def pytest_xdist_auto_num_workers(config):
 WORKERS_PER_CPU = 2
 
 
+def _mlflow_tracking_uri() -> str | None:
+    """The tracking URI MLflow's fluent API follows in this process, if a test has loaded MLflow."""
+    mlflow = sys.modules.get("mlflow")
+    return mlflow.get_tracking_uri() if mlflow is not None and mlflow.is_tracking_uri_set() else None
+
+
 @pytest.fixture(autouse=True)
 def _environment_put_back():
-    """A test that sets an environment variable (NeMo-RL's MLflowLogger sets MLFLOW_TRACKING_URI, for one)
-    must not change what later tests in the same worker, or the subprocesses they start, see."""
-    before = dict(os.environ)
+    """What a test sets process-wide must not change what later tests in the same worker, or the
+    subprocesses they start, see: environment variables, and MLflow's fluent API, which follows the first
+    tracking URI a process is given (NeMo-RL's MLflowLogger sets it only when none is set, and exports it
+    as MLFLOW_TRACKING_URI) and keeps a run active until it is ended."""
+    environment, tracking_uri = dict(os.environ), _mlflow_tracking_uri()
     yield
-    if os.environ != before:
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        if _mlflow_tracking_uri() != tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)  # None: back to "not set" (MLflow then reads the env)
+    if os.environ != environment:
         os.environ.clear()
-        os.environ.update(before)
+        os.environ.update(environment)
 
 
 @pytest.fixture(scope="session")
