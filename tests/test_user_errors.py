@@ -8,6 +8,7 @@ Nothing is faked.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -100,13 +101,15 @@ GOOD_ROWS = [{"question": f"{a}+{b}?", "answer": str(a + b), "solution": f"{a}+{
              for a in range(1, 10) for b in range(1, 4)]
 
 
-def train_tiny_run(root: Path) -> Path:
-    """A finished 3-step run with checkpoints step_0..step_3 (conftest's `trained`: each test copies it
-    before changing it)."""
+def train_tiny_run(root: Path) -> None:
+    """Fills `root` with a finished 3-step run, root/run, with checkpoints step_0..step_3 (conftest's
+    `trained` builds it once for all workers; each test copies it before changing it)."""
     done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     (root / "stderr.txt").write_text(done.stderr)
-    return root / "run"
+
+
+TINY_RUN_KEY = hashlib.sha256(yaml.safe_dump(TINY).encode()).hexdigest()[:12]  # what the shared run depends on
 
 
 def copy_run(trained: Path, tmp_path: Path) -> Path:
