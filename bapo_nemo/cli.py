@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def unexpected_error_line(command: str, exc: BaseException) -> str:
     """The one line an unexpected error ends `bapo-nemo COMMAND` with (also the last line of a run's log)."""
+    from bapo_nemo.tracking.redact import redact_text
+
     where = _innermost_frame(exc)
-    return (f"bapo-nemo {command}: error: {type(exc).__name__}: {exc}{where} (run again with --debug for the "
-            "traceback)")
+    return (f"bapo-nemo {command}: error: {type(exc).__name__}: {redact_text(str(exc))}{where} (run again with "
+            "--debug for the traceback)")
 
 
 def _innermost_frame(exc: BaseException) -> str:

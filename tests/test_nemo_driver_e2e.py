@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bapo_nemo.embedded.tokenizer import build_tokenizer
+
 pytestmark = pytest.mark.nemo_rl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +56,7 @@ def ray_head():
     address = f"127.0.0.1:{port}"
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address
-    deadline = time.time() + 90
+    deadline = time.time() + 300  # a hang guard: a loaded 2-core machine took 25 s at load 10
     while True:
         try:
             ray.init(address=address, log_to_driver=False)
@@ -107,7 +109,7 @@ def tiny_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
     return {
         "model": write_tiny_model(root / "tiny_qwen2"),
-        "train": write_math_jsonl(root / "train.jsonl", 64),
+        "train": write_math_jsonl(root / "train.jsonl"),  # the 30 prompts, each once
         # One store for the module, an experiment per test: MLflow's fluent API in one process does not
         # follow a second sqlite URI (v0.7.0's MLflowLogger then creates its run in the first store).
         "mlflow": f"sqlite:///{root / 'mlflow.db'}",
@@ -222,6 +224,18 @@ def loss_inputs(call, reference: str = "generation_logprobs"):
     return ratio, data["advantages"][:, 1:], mask
 
 
+def advantage_signs_by_prompt(calls) -> dict[tuple[int, ...], set[int]]:
+    """The signs of the advantages the loss saw, per GRPO group (the rows of one prompt, up to its "?")."""
+    question_mark = build_tokenizer().convert_tokens_to_ids("?")
+    signs: dict[tuple[int, ...], set[int]] = {}
+    for call in calls:
+        _, advantages, mask = loss_inputs(call)
+        for i, ids in enumerate(call["data"]["input_ids"].tolist()):
+            prompt = tuple(ids[: ids.index(question_mark) + 1])
+            signs.setdefault(prompt, set()).update(int(x) for x in advantages[i][mask[i] > 0].sign().unique())
+    return signs
+
+
 def used(call, name: str) -> float:
     """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global)."""
     n_local = float(loss_inputs(call)[2].sum())
@@ -261,6 +275,12 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
             assert got == pytest.approx((want.c_low, want.c_high), abs=1e-6)
         if granularity == "step":
             assert used_bounds(group[0]) == pytest.approx(used_bounds(group[1]), abs=1e-9)
+    # What makes those searches non-trivial (the premise in tests/nemo_cpu_standins.py): every group the
+    # warm-started weights sampled (step 1) holds a right and a wrong answer, so every token those loss
+    # calls weighed had a non-zero advantage, of both signs. Step 2 samples from weights two optimizer steps
+    # further, which the premise does not cover (they already favour the right answer).
+    signs = advantage_signs_by_prompt(calls[:4])
+    assert len(signs) == 2 and all(s == {-1, 1} for s in signs.values()), signs
 
     # The MLflow run NeMo-RL's Logger wrote carries the BAPO metrics for both steps.
     import mlflow
@@ -301,6 +321,40 @@ def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray
         got = (used(second[0], "c_low"), used(second[0], "c_high"))
         assert got == pytest.approx((used(second[1], "c_low"), used(second[1], "c_high")), abs=1e-9)
         assert any(got == pytest.approx((r.c_low, r.c_high), abs=1e-6) for r in per_group)
+
+
+def test_the_generation_stand_in_draws_both_answers_in_every_group(tiny_assets):
+    """The premise of the GRPO tests here, on the warm-started model the tests use: 4 draws of each of the
+    30 prompts hold its right and its wrong response. And the draws of one context follow the model's law:
+    2^k draws land on a response set whose quantiles form an interval of length L (one token, then a
+    token pair) floor or ceil of 2^k L times."""
+    from collections import Counter
+
+    import torch
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    from tests.nemo_cpu_standins import TinySampler, _Quantile, math_prompts, wrong_answer
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False) for a, b in math_prompts()]
+    rows = torch.tensor([p for p in prompts for _ in range(4)])
+    cfg = {"max_new_tokens": 6, "_pad_token_id": tokenizer.pad_token_id,
+           "stop_token_ids": [tokenizer.eos_token_id], "temperature": 1.0}
+    out = TinySampler(str(tiny_assets["model"])).generate(
+        cfg, BatchedDataDict({"input_ids": rows, "input_lengths": torch.full((len(rows),), rows.shape[1])})
+    )
+    responses = tokenizer.batch_decode(out["output_ids"][:, rows.shape[1]:], skip_special_tokens=True)
+    for g, (a, b) in enumerate(math_prompts()):
+        group = responses[4 * g : 4 * g + 4]
+        assert f"{a}+{b}={a + b}" in group and f"{a}+{b}={wrong_answer(a, b)}" in group, group
+
+    first, second = torch.tensor([0.1, 0.25, 0.0, 0.65]), torch.tensor([0.3, 0.7, 0.0, 0.0])
+    draws = [_Quantile(seed=0, context=(7, 8), n=n) for n in range(64)]
+    pairs = Counter((q.token(first), q.token(second)) for q in draws)
+    for t1, p1 in enumerate(first.tolist()):
+        assert abs(sum(c for (a, _), c in pairs.items() if a == t1) - 64 * p1) < 1, (t1, pairs)
+        for t2, p2 in enumerate(second.tolist()):
+            assert abs(pairs[(t1, t2)] - 64 * p1 * p2) < 1, (t1, t2, pairs)
 
 
 def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
@@ -345,6 +399,8 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     - the ratio is taken against the generation-time log-probs: every call's bounds and initial positive
       share are search_clip_bounds' on ratio = pi_theta / pi_gen, and on the off-policy step the share
       against prev_logprobs would differ;
+    - every group holds a right and a wrong answer, so the searches weigh advantages of both signs (the
+      stand-ins' premise: all these samples come from the warm-started weights);
     - the BAPO metrics reach the MLflow run.
     Environment: the collector and buffer are registered to run in NeMo-RL's vLLM venv; inside the
     NGC-PyTorch image (docker/Dockerfile.ngc_pytorch, line 141: NEMO_RL_PY_EXECUTABLES_SYSTEM=1) they run
@@ -393,7 +449,10 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
         assert got == pytest.approx((float(raw.min()), float(raw.max())), rel=1e-5)
         against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
         gaps.append(float((valid - against_prev).abs().max()))
-    assert any(bool((loss_inputs(c)[1] != 0).any()) for c in calls)  # some searches had advantages to weigh
+    # Every group (all sampled by the warm-started weights) holds a right and a wrong answer: every token
+    # the searches weighed had a non-zero advantage, of both signs (the premise in nemo_cpu_standins.py).
+    signs = advantage_signs_by_prompt(calls)
+    assert len(signs) == 4 and all(s == {-1, 1} for s in signs.values()), signs
     # The generator's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
     # version old, so a ratio against prev_logprobs (the current policy's) would be another ratio.
     assert max(gaps[:4]) < 1e-4 and min(gaps[4:]) > 1e-3, gaps

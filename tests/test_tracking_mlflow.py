@@ -79,6 +79,15 @@ class MlflowServer:
         self.proc = None
 
 
+@pytest.fixture(autouse=True)
+def _a_live_server_may_answer_slowly(monkeypatch):
+    """The tracker's 5 s HTTP timeout (HTTP_ENV_DEFAULTS) is for a dead server; these tests' outages are a
+    stopped server, refused at once. A live server's answer on a loaded CI machine may take seconds, and a
+    timeout there would turn into an outage the test did not make (records left journaled, a run left
+    RUNNING), so the tests give it 120 s."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+
+
 @pytest.fixture(scope="module")
 def template_db(tmp_path_factory) -> Path:
     """An initialised MLflow sqlite store; creating one runs MLflow's schema migrations (seconds), so each

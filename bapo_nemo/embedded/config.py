@@ -180,6 +180,18 @@ class DataConfig(_Section):
             raise ValueError(f"{v!r} is not a reward: use math_verify, arithmetic or module:function")
         return v
 
+    @field_validator("prompt_template", mode="before")
+    @classmethod
+    def _template_holds_the_prompt(cls, value):
+        if isinstance(value, dict):  # `prompt_template: {prompt}` unquoted is a YAML flow mapping
+            # pydantic reports only ValueError as a validation error, hence not TypeError
+            raise ValueError("YAML read this value as a mapping (an unquoted {prompt} is one): quote it, "  # noqa: TRY004
+                             'e.g. prompt_template: "{prompt}"')
+        if isinstance(value, str) and "{prompt}" not in value:
+            raise ValueError(f"{value!r} has no {{prompt}}, so every prompt would be this same text: put "
+                             "{prompt} where the question goes")
+        return value
+
 
 class WarmupConfig(_Section):
     """Supervised warm-up on reference solutions, so RL starts with signal. Cached in <output_dir>/warmup."""
@@ -332,6 +344,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise RunConfigError(f"config {path} is a directory: pass a YAML file (e.g. configs/local_cpu.yaml)")
+        if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block or never end
+            raise RunConfigError(f"config {path} is not a regular file: write the config to a YAML file and pass "
+                                 "that (e.g. configs/local_cpu.yaml)")
         if not path.is_file():
             raise RunConfigError(f"config file {path} does not exist (e.g. configs/local_cpu.yaml)")
         try:

@@ -11,13 +11,17 @@ step's responses with a positive reward, `heldout_avg@k` the held-out evaluation
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from bapo_nemo.tracking.redact import RedactingFilter
 
 LOG_FILE = "train.log"
 LOGGER = "bapo_nemo.embedded.run"
@@ -37,6 +41,7 @@ def run_log(output_dir: str | Path, to_stderr: bool):
         handlers.append(_AboveTheBar(logging.WARNING))
     handlers[-1].setFormatter(logging.Formatter("%(message)s"))
     for handler in handlers:
+        handler.addFilter(RedactingFilter())  # a tracking URI's password or a token never reaches a log
         logger.addHandler(handler)
     try:
         yield logger
@@ -87,3 +92,23 @@ class _AboveTheBar(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm.write(self.format(record), file=sys.stderr)
+
+
+class MetricsLog:
+    """A JSONL file with one record per step (metrics.jsonl: the local copy of what goes to MLflow). On
+    resume, records after the step of the checkpoint resumed from (verified before this is built; written by
+    the interrupted process) are dropped; the file is rewritten whole or not at all."""
+
+    def __init__(self, path: Path, keep_up_to: int):
+        self.path = path
+        if path.is_file():
+            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in lines if keep_up_to >= 0 and json.loads(ln)["step"] <= keep_up_to]
+            if len(kept) < len(lines):
+                tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+                tmp.write_text("".join(ln + "\n" for ln in kept))
+                os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bapo_nemo.embedded.config import RunConfigError, load_config
+from bapo_nemo.tracking.redact import redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except RunConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     # the CPU settings: bf16 autocast is a GPU setting (slower than fp32 on most CPUs, and less exact)
     cpu_settings = "runtime.device=cpu" + " policy.precision=float32" * (config.policy.precision != "float32")
@@ -82,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
-    from bapo_nemo.embedded.run_lock import OutputDirLock, OutputDirLockedError
+    from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.run_log import append_line
     from bapo_nemo.embedded.run_summary import summary_record, summary_text
     from bapo_nemo.embedded.tasks import TaskFileError
@@ -101,10 +102,11 @@ def main(args: argparse.Namespace) -> int:
             try:
                 summary = train(config, output_dir, resume=args.resume)
             except BaseException as exc:  # the run's log ends with the line the console ends with
-                append_line(output_dir, f"error: {exc}" if isinstance(exc, user_errors) else _ending(exc))
+                line = f"error: {redact_text(str(exc))}" if isinstance(exc, user_errors) else _ending(exc)
+                append_line(output_dir, line)
                 raise
-    except (OutputDirLockedError, *user_errors) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OutputDirError, *user_errors) as exc:
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary_record(summary), indent=2))

@@ -21,6 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
+from bapo_nemo.tracking.redact import redact_text
+
 # canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
 ALIASES: dict[str, list[str]] = {
     "reward/mean": ["reward/mean", "train/reward", "reward"],
@@ -100,7 +102,8 @@ def find_experiment(client, name: str):
     experiment = client.get_experiment_by_name(name)
     if experiment is None or experiment.lifecycle_stage == "deleted":
         names = sorted(e.name for e in client.search_experiments())
-        raise ReportError(f"no MLflow experiment named {name!r} at {client.tracking_uri}; experiments there: "
+        raise ReportError(f"no MLflow experiment named {name!r} at {redact_text(client.tracking_uri)}; "
+                          "experiments there: "
                           f"{', '.join(names) if names else '(none)'}")
     return experiment
 
@@ -280,7 +283,7 @@ def render_html(experiment_name: str, runs: list[RunData], png: Path, tracking_u
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}th{{background:#f3f3f3}}img{{max-width:100%}}</style>
 </head><body>
 <h1>Training dynamics: {html.escape(experiment_name)}</h1>
-<p>{len(runs)} runs from <code>{html.escape(tracking_uri)}</code>.</p>
+<p>{len(runs)} runs from <code>{html.escape(redact_text(tracking_uri))}</code>.</p>
 <img alt="training dynamics" src="data:image/png;base64,{image}">
 <h2>Runs</h2>
 <table><thead><tr>{head}</tr></thead><tbody>
@@ -318,7 +321,8 @@ def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None
     except ReportError:
         raise
     except Exception as exc:  # any client failure here means the store is unusable
-        raise ReportError(f"cannot read the MLflow store at {tracking_uri}: {str(exc).splitlines()[0][:300]}") from exc
+        raise ReportError(f"cannot read the MLflow store at {redact_text(tracking_uri)}: "
+                          f"{redact_text(str(exc).splitlines()[0][:300])}") from exc
     selected = select_runs(client, experiment, runs)
     data = [load_run(client, r) for r in tqdm(selected, desc="reading runs", disable=not progress)]
     if not any(d.series for d in data):
