@@ -186,7 +186,7 @@ def _output_dir_is_a_file(tmp: Path) -> list[str]:
 def _data_config(tmp: Path, data_yaml: str) -> list[str]:
     """TINY plus a `data:` section written as YAML text, as a user would type it."""
     jsonl(tmp, "mine.jsonl", GOOD_ROWS)
-    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY) + f"data:\n  train_path: {tmp / 'mine.jsonl'}\n" + data_yaml)
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY) + f"data:\n  train:\n    data_path: {tmp / 'mine.jsonl'}\n" + data_yaml)
     return ["train", str(tmp / "cfg.yaml"), "--output-dir", str(tmp / "out")]
 
 
@@ -202,7 +202,7 @@ def _own_model(vocab_size: int, with_tokenizer: bool) -> Callable[[Path], list[s
         Qwen2ForCausalLM(config).save_pretrained(tmp / "model")
         if with_tokenizer:
             load_tokenizer().save_pretrained(tmp / "model")
-        cfg = with_(model={"pretrained": str(tmp / "model")})
+        cfg = with_(policy={"model_name": str(tmp / "model")})
         return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
     return setup
 
@@ -213,14 +213,14 @@ def _mixed_data_dir(tmp: Path) -> list[str]:
     data.mkdir()
     jsonl(data, "a.jsonl", GOOD_ROWS[:12])
     (data / "b.csv").write_text("question,answer\n" + "".join(f"{a}+{a}?,{2 * a}\n" for a in range(60)))
-    cfg = with_(data={"train_path": str(data), "eval_size": 4})
+    cfg = with_(data={"train": {"data_path": str(data)}, "eval_size": 4})
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
 def _letters_in_data(tmp: Path) -> list[str]:
     """Word problems for the bundled character tokenizer, which knows digits and arithmetic signs only."""
     rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 4)]
-    cfg = with_(data={"train_path": str(jsonl(tmp, "words.jsonl", rows)), "eval_size": 4})
+    cfg = with_(data={"train": {"data_path": str(jsonl(tmp, "words.jsonl", rows))}, "eval_size": 4})
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
@@ -268,11 +268,11 @@ CASES = [
     Case("prompt_template without {prompt}", lambda tmp: _data_config(tmp, "  prompt_template: 'Solve:'\n"), 2,
          ["data.prompt_template", "has no {prompt}"]),
     Case("own model without a tokenizer", _own_model(22, with_tokenizer=False), 2,
-         ["model.pretrained=", "encodes text as nothing", "tokenizer.save_pretrained"]),
+         ["policy.model_name=", "encodes text as nothing", "tokenizer.save_pretrained"]),
     Case("tokenizer larger than the model's vocabulary", _own_model(10, with_tokenizer=True), 2,
          ["the tokenizer has 22 tokens but the model's embedding has 10 rows"]),
     Case("dataset directory mixing file types", _mixed_data_dir, 2,
-         ["mixes kinds of data files", "a.jsonl", "b.csv", "set data.train_path to one file"]),
+         ["mixes kinds of data files", "a.jsonl", "b.csv", "set data.train.data_path to one file"]),
     Case("answers that can never score", _tasks_file(GOOD_ROWS[:5] + [{"question": "1+1?", "answer": "#2"},
                                                                       {"question": "1+2?", "answer": "3 "}]), 2,
          ["line 6: answer '#2' can never score", "line 7: answer '3 ' can never score", "task.max_bad_fraction"]),

@@ -209,7 +209,7 @@ def unrepresentable_text(tokenizer, prompt_template: str) -> Callable[[Task], st
     if in_template:
         raise DataError(
             f"data.prompt_template has characters the tokenizer cannot represent ({in_template!r} would become "
-            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (model.pretrained), or a template "
+            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (policy.model_name), or a template "
             "without them"
         )
 
