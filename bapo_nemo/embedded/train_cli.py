@@ -109,9 +109,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(summary_record(summary), indent=2))
+        ending = json.dumps(summary_record(summary), indent=2)
     else:
-        print(summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary)))
+        ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary))
+    print(redact_text(ending))  # as summary.json holds it: no password of the tracking URI, no token
     return 0
 
 
