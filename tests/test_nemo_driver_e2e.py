@@ -236,10 +236,29 @@ def advantage_signs_by_prompt(calls) -> dict[tuple[int, ...], set[int]]:
     return signs
 
 
+def signal_tokens(call) -> float:
+    """Tokens of one loss call with a non-zero advantage (the weight of its rho, rho_initial)."""
+    _, advantages, mask = loss_inputs(call)
+    return float(((mask > 0) & (advantages != 0)).sum())
+
+
 def used(call, name: str) -> float:
-    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global)."""
-    n_local = float(loss_inputs(call)[2].sum())
+    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global; rho and
+    rho_initial weighted by the signal tokens instead)."""
+    n_local = signal_tokens(call) if name.startswith("rho") else float(loss_inputs(call)[2].sum())
     return call["metrics"][f"bapo/{name}"] * call["global_valid_toks"] / n_local
+
+
+def zero_spread_share(calls) -> float:
+    """Share of the valid samples of these loss calls whose advantages are all 0, computed here."""
+    tied = valid = 0
+    for call in calls:
+        _, advantages, mask = loss_inputs(call)
+        for row in range(len(advantages)):
+            if call["data"]["sample_mask"][row] > 0:
+                valid += 1
+                tied += int(not bool((advantages[row][mask[row] > 0] != 0).any()))
+    return tied / valid
 
 
 @pytest.mark.parametrize("granularity", ["microbatch", "step"])
@@ -263,7 +282,8 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     inputs, used_bounds = loss_inputs, lambda call: (used(call, "c_low"), used(call, "c_high"))
 
     groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
-    for group in groups:
+    rho_parts = {1: [], 2: []}  # GRPO step -> (rho searched, signal tokens / the optimizer step's tokens)
+    for index, group in enumerate(groups):
         if granularity == "microbatch":
             expected = [search_clip_bounds(*inputs(c), options) for c in group]
         else:
@@ -273,6 +293,7 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
         for call, want in zip(group, expected):
             got = used_bounds(call)
             assert got == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+            rho_parts[1 + index // 2].append((want.rho, signal_tokens(call) / float(call["global_valid_toks"])))
         if granularity == "step":
             assert used_bounds(group[0]) == pytest.approx(used_bounds(group[1]), abs=1e-9)
     # What makes those searches non-trivial (the premise in tests/nemo_cpu_standins.py): every group the
@@ -291,6 +312,18 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert sorted(m.step for m in history) == [1, 2]
     assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
     assert run.data.tags.get("bapo.runtime") == "nemo_rl"
+    # Per step: rho is the mean of the searches' rho weighted by their signal tokens (undefined without
+    # any), and frac_reward_zero_std the share of responses whose group tied (0 in step 1 by construction).
+    logged = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"train/{name}")}
+              for name in ("bapo/rho", "frac_reward_zero_std")}
+    for step, parts in rho_parts.items():
+        signal = sum(w for _, w in parts)
+        if signal > 0:
+            assert logged["bapo/rho"][step] == pytest.approx(sum(r * w for r, w in parts) / signal, abs=1e-6)
+        else:
+            assert step not in logged["bapo/rho"]
+        assert logged["frac_reward_zero_std"][step] == pytest.approx(zero_spread_share(calls[4 * (step - 1) : 4 * step]))
+    assert logged["frac_reward_zero_std"][1] == 0.0
 
 
 def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray_head, standins, tiny_assets):

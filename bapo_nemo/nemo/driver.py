@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl.utils.logger import get_next_experiment_dir
     from omegaconf import OmegaConf
 
+    from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
     register_omegaconf_resolvers()
@@ -248,13 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
     loss_fn = make_loss_fn(master_config)
     install_step_bounds(policy, loss_fn, master_config)
+    policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
     if partial_hook is not None:
         partial_hook.attach(policy, checkpointer)
     if master_config.checkpointing["enabled"]:
         from bapo_nemo.nemo.parity_recorder import attach_parity_recorder
 
         attach_parity_recorder(checkpointer, policy, tokenizer, master_config)  # for `bapo-nemo export`'s parity
-    after_setup(master_config.model_dump(), logger)
+    tracker = after_setup(master_config.model_dump(), logger)
+    warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     from bapo_nemo.nemo.deadline import apply_job_deadline
 
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done

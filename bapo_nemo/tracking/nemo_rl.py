@@ -184,9 +184,10 @@ def find_mlflow_logger(nemo_logger: Any) -> Any:
     )
 
 
-def after_setup(master_config: dict, nemo_logger) -> None:
+def after_setup(master_config: dict, nemo_logger) -> MlflowTracker:
     """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
-    route the logger's metrics through the outage-proof journal."""
+    route the logger's metrics through the outage-proof journal. Returns the run's tracker (for tags the
+    driver adds later)."""
     config = _as_dict(master_config)
     mlflow_cfg = config["logger"]["mlflow"]
     backend = find_mlflow_logger(nemo_logger)
@@ -209,6 +210,7 @@ def after_setup(master_config: dict, nemo_logger) -> None:
                                                  "experiment_name": mlflow_cfg["experiment_name"]}), indent=2))
         os.replace(tmp, checkpoint_dir / RUN_FILE)
     _journal_logger_metrics(backend, tracker)
+    return tracker
 
 
 def _log_config_artifact(tracker: MlflowTracker, config: dict, log_dir: Path) -> None:

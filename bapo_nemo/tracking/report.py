@@ -26,7 +26,7 @@ from bapo_nemo.tracking.redact import redact_text
 # canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
 ALIASES: dict[str, list[str]] = {
     "reward/mean": ["reward/mean", "train/reward", "reward"],
-    "frac_reward_zero_std": ["frac_reward_zero_std"],  # TRL's name; NeMo-RL v0.7.0 does not log it
+    "frac_reward_zero_std": ["frac_reward_zero_std", "train/frac_reward_zero_std"],  # TRL's name
     "entropy": ["entropy", "train/entropy", "train/approx_entropy"],
     "bapo/rho": ["bapo/rho", "train/bapo/rho"],
     "bapo/rho_initial": ["bapo/rho_initial", "train/bapo/rho_initial"],
