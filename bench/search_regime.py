@@ -64,14 +64,14 @@ def run_config(warmup_steps: int, seed: int, lr: float | None = None):
     return load_config(
         ROOT / "configs" / "local_cpu.yaml",
         [
-            f"seed={seed}",
+            f"grpo.seed={seed}",
             f"warmup.steps={warmup_steps}",
-            "rollout.prompts_per_step=32",
-            "rollout.partial.token_budget=80",
-            "rollout.partial.max_in_flight_groups=32",
+            "grpo.num_prompts_per_step=32",
+            "partial_rollouts.token_budget=80",
+            "partial_rollouts.max_in_flight_groups=32",
             f"train.updates_per_batch={UPDATES}",
-            "loss.bapo.granularity=step",
-            *([f"optim.lr={lr}"] if lr is not None else []),
+            "loss_fn.bapo.granularity=step",
+            *([f"policy.optimizer.kwargs.lr={lr}"] if lr is not None else []),
         ],
     )
 
@@ -84,14 +84,14 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
     warm = TaskStream(seed + 7919, cfg.task, set(), None, cfg.warmup.step_error_rate)
     warmup_io.run_warmup(model, tokenizer, warm, cfg.warmup, torch.device("cpu"), progress=False)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2)
+        model.parameters(), lr=cfg.policy.optimizer.kwargs.lr, betas=cfg.policy.optimizer.kwargs.betas
     )
     stream = TaskStream(seed, cfg.task, set(), None)
-    manager = PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size)
+    manager = PartialRolloutManager(cfg.partial_rollouts, cfg.grpo.num_generations_per_prompt)
     sample_gen = torch.Generator().manual_seed(seed + 1)
     shuffle_gen = torch.Generator().manual_seed(seed + 2)
     group_gen = torch.Generator().manual_seed(seed + 3)  # step_bounds_sample's group draws
-    bapo = cfg.loss.bapo
+    bapo = cfg.loss_fn.bapo
 
     def generate_fn(contexts, max_new_tokens):
         outs = sample_continuations(
@@ -116,15 +116,15 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
                     encode_prompt(tokenizer, t.question),
                     {"question": t.question, "answer": t.answer},
                 )
-                for t in stream.next(cfg.rollout.prompts_per_step)
+                for t in stream.next(cfg.grpo.num_prompts_per_step)
             ]
         )
         groups = []
-        while len(groups) < cfg.rollout.prompts_per_step:
-            groups += manager.run_iteration(generate_fn, version, cfg.rollout.prompts_per_step - len(groups))
+        while len(groups) < cfg.grpo.num_prompts_per_step:
+            groups += manager.run_iteration(generate_fn, version, cfg.grpo.num_prompts_per_step - len(groups))
         rewards = [[score(r) for r in g.rollouts] for g in groups]
         batch = build_batch(groups, rewards, tokenizer.pad_token_id)
-        minibatches = split_minibatches(len(batch), UPDATES, cfg.rollout.group_size, shuffle_gen)
+        minibatches = split_minibatches(len(batch), UPDATES, cfg.grpo.num_generations_per_prompt, shuffle_gen)
         with torch.no_grad():  # step_bounds_sample=0: the log-probs of the rollout batch's start weights
             start_logprobs = [forward_logprobs(model, batch.select(rows), 64) for rows in minibatches]
         for u, rows in enumerate(minibatches):
@@ -186,10 +186,11 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
                 mb,
                 old,
                 weights,
-                cfg.loss,
-                cfg.train.micro_batch_size,
-                cfg.optim.grad_clip,
+                cfg.loss_fn.bapo,
+                cfg.policy.train_micro_batch_size,
+                cfg.policy.max_grad_norm,
                 cfg.train.step_search_graph_tokens,
+                cfg.loss.entropy_coef,
             )
             version += 1
     return records

@@ -41,11 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Every setting the comparison depends on, pinned over configs/local_cpu.yaml (whose RL regime may change):
 # model and tasks (both trainers), sampling, loss, optimizer and step shape (ours; TRL's mirror in run_trl).
 PINNED = [
-    "seed=0",
+    "grpo.seed=0",
     "runtime.device=cpu",
-    "runtime.autocast=none",
+    "policy.precision=float32",
     "runtime.progress=false",
-    "model.pretrained=null",
+    "policy.model_name=null",
     "model.dtype=float32",
     "model.max_position_embeddings=256",
     "model.rope_theta=10000.0",
@@ -57,28 +57,27 @@ PINNED = [
     "task.max_value=99",
     "task.max_operand=9",
     "task.eval_size=4",
-    "data.train_path=null",
+    "data.train.data_path=null",
     "warmup.steps=0",
-    "rollout.temperature=1.0",
-    "rollout.partial.max_resumptions=4",
-    "rollout.partial.global_token_budget=null",
-    "rollout.partial.prompts_per_iteration=null",
-    "rollout.partial.stale_segments=keep",
+    "policy.generation.temperature=1.0",
+    "partial_rollouts.max_resumptions=4",
+    "partial_rollouts.global_token_budget=null",
+    "partial_rollouts.prompts_per_iteration=null",
+    "partial_rollouts.stale_segments=keep",
     "replay.groups_per_step=0",
-    "loss.ratio_reference=behavior",
+    "loss_fn.bapo.ratio_reference=behavior",
     "loss.entropy_coef=0.0",
-    "loss.bapo.enabled=true",
-    "loss.bapo.rho0=0.4",
-    "loss.bapo.order=paper",
-    "loss.bapo.measure=gradient",
-    "optim.weight_decay=0.0",
-    "optim.beta1=0.9",
-    "optim.beta2=0.99",
-    "optim.grad_clip=1.0",
+    "loss_fn.bapo.enabled=true",
+    "loss_fn.bapo.rho0=0.4",
+    "loss_fn.bapo.order=paper",
+    "loss_fn.bapo.measure=gradient",
+    "policy.optimizer.kwargs.weight_decay=0.0",
+    "policy.optimizer.kwargs.betas=[0.9,0.99]",
+    "policy.max_grad_norm=1.0",
     "train.updates_per_batch=1",
-    "train.micro_batch_size=32",
+    "policy.train_micro_batch_size=32",
     "train.step_search_graph_tokens=65536",
-    "train.gradient_checkpointing=false",
+    "policy.dtensor_cfg.activation_checkpointing=false",
     "eval.k=1",
 ]
 # model shape per size, built from config (the same weights for both trainers)
@@ -121,16 +120,16 @@ def run_ours(args, partial: bool, granularity: str = "step") -> dict:
     cfg = bench_config(
         args,
         [
-            f"train.max_steps={args.steps + 1}",
-            f"rollout.prompts_per_step={args.prompts}",
-            f"rollout.group_size={args.group_size}",
-            f"rollout.partial.max_response_tokens={args.max_len}",
-            f"rollout.partial.token_budget={args.token_budget if partial else args.max_len}",
-            f"rollout.partial.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
-            f"eval.every={10 * args.steps}",
-            f"checkpoint.every={10 * args.steps}",
-            f"loss.bapo.granularity={granularity}",
-            f"optim.lr={args.lr}",
+            f"grpo.max_num_steps={args.steps + 1}",
+            f"grpo.num_prompts_per_step={args.prompts}",
+            f"grpo.num_generations_per_prompt={args.group_size}",
+            f"partial_rollouts.max_response_tokens={args.max_len}",
+            f"partial_rollouts.token_budget={args.token_budget if partial else args.max_len}",
+            f"partial_rollouts.max_in_flight_groups={2 * args.prompts if partial else args.prompts}",
+            f"grpo.val_period={10 * args.steps}",
+            f"checkpointing.save_period={10 * args.steps}",
+            f"loss_fn.bapo.granularity={granularity}",
+            f"policy.optimizer.kwargs.lr={args.lr}",
             f"runtime.num_threads={args.threads}",
         ],
     )
@@ -152,9 +151,9 @@ def run_trl(args) -> dict:
 
     tokenizer = load_tokenizer()
     cfg = bench_config(args)
-    model = build_model(cfg.model, tokenizer, seed=cfg.seed)
+    model = build_model(cfg.model, tokenizer, seed=cfg.grpo.seed)
     args.parameters = sum(p.numel() for p in model.parameters())
-    tasks = TaskGenerator(cfg.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
+    tasks = TaskGenerator(cfg.grpo.seed, cfg.task.min_ops, cfg.task.max_ops, cfg.task.tail_alpha).sample(
         args.prompts * (args.steps + 1)
     )
     dataset = Dataset.from_list(
@@ -197,7 +196,7 @@ def run_trl(args) -> dict:
             save_strategy="no",
             disable_tqdm=True,
             dataloader_num_workers=0,
-            seed=cfg.seed,
+            seed=cfg.grpo.seed,
             bf16=False,
             fp16=False,
             # ours' optimizer settings (PINNED): AdamW, constant lr, grad-norm clip 1

@@ -16,30 +16,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bapo_nemo.embedded import config_keys
+
 Mode = Literal["full", "quick"]
 
 BASE_CONFIG = Path(__file__).resolve().parent / "base.yaml"
-# rollout.partial.max_response_tokens of base.yaml: a token budget this large turns partial rollouts off.
+# partial_rollouts.max_response_tokens of base.yaml: a token budget this large turns partial rollouts off.
 PARTIAL_OFF_BUDGET = 80
 
 # Loss presets (absolute ratio bounds, see bapo_nemo/embedded/config.py).
-FIXED_CLIP = {"loss.bapo.enabled": False, "loss.bapo.c_low_min": 0.8, "loss.bapo.c_high_min": 1.2}
-CLIP_HIGHER = {"loss.bapo.enabled": False, "loss.bapo.c_low_min": 0.8, "loss.bapo.c_high_min": 1.28}
-BAPO = {"loss.bapo.enabled": True}  # our defaults: paper grids and order, gradient measure, rho0 0.4
+FIXED_CLIP = {"loss_fn.bapo.enabled": False, "loss_fn.bapo.c_low_min": 0.8, "loss_fn.bapo.c_high_min": 1.2}
+CLIP_HIGHER = {
+    "loss_fn.bapo.enabled": False,
+    "loss_fn.bapo.c_low_min": 0.8,
+    "loss_fn.bapo.c_high_min": 1.28,
+}
+BAPO = {"loss_fn.bapo.enabled": True}  # our defaults: paper grids and order, gradient measure, rho0 0.4
 # The authors' verl recipe as shipped (BAPOConfig.from_reference_recipe() defaults): c_low 0.6->0.8 and
 # c_high 1.2->2.0 in steps of 0.05, P/N target 1 (share 0.5), value measure, dual clip 3.
 AUTHORS_RECIPE = {
-    "loss.bapo.enabled": True,
-    "loss.bapo.order": "reference",
-    "loss.bapo.measure": "value",
-    "loss.bapo.rho0": 0.5,
-    "loss.bapo.c_low_min": 0.6,
-    "loss.bapo.c_low_max": 0.8,
-    "loss.bapo.c_low_step": 0.05,
-    "loss.bapo.c_high_min": 1.2,
-    "loss.bapo.c_high_max": 2.0,
-    "loss.bapo.c_high_step": 0.05,
-    "loss.bapo.dual_clip": 3.0,
+    "loss_fn.bapo.enabled": True,
+    "loss_fn.bapo.order": "reference",
+    "loss_fn.bapo.measure": "value",
+    "loss_fn.bapo.rho0": 0.5,
+    "loss_fn.bapo.c_low_min": 0.6,
+    "loss_fn.bapo.c_low_max": 0.8,
+    "loss_fn.bapo.c_low_step": 0.05,
+    "loss_fn.bapo.c_high_min": 1.2,
+    "loss_fn.bapo.c_high_max": 2.0,
+    "loss_fn.bapo.c_high_step": 0.05,
+    "loss_fn.bapo.dual_clip": 3.0,
 }
 METHODS = {"fixed": FIXED_CLIP, "clip_higher": CLIP_HIGHER, "bapo": BAPO}
 METHODS_WITH_RECIPE = {**METHODS, "bapo_authors": AUTHORS_RECIPE}
@@ -147,11 +153,24 @@ class RunSpec:
         return [f"{k}={_yaml_scalar(v)}" for k, v in self.overrides.items()]
 
 
+# base.yaml's text (sha256) -> the text its runs are recorded under. base.yaml was rewritten in NeMo-RL's key
+# names with every setting kept: its runs keep their names, so finished studies stay finished and readable.
+SAME_SETTINGS_AS = {
+    "0d7017189691cc6056a0a36a7bbb0ad114f033ffb2da4e397ef5df00d953c21e":
+        "2d6cab2872b3a30d9212f559e20b6a6ce1b32a6ea8c875ed0023098ada78b0dc",
+}
+
+
 def fingerprint(overrides: dict[str, object]) -> str:
     """8 hex digits identifying what a run computes: its overrides (tracking keys excluded) and the text
-    of base.yaml, so editing the base config marks finished runs as out of date."""
-    relevant = {k: v for k, v in overrides.items() if not k.startswith("tracking.")}
-    relevant["<base.yaml>"] = hashlib.sha256(BASE_CONFIG.read_bytes()).hexdigest()
+    of base.yaml, so editing the base config marks finished runs as out of date. Keys are hashed under the
+    names they had before the config took NeMo-RL's names (`config_keys.old_name`), so a run keeps its
+    fingerprint across that rename."""
+    relevant = {
+        config_keys.old_name(k): v for k, v in overrides.items() if not k.startswith(("tracking.", "logger."))
+    }
+    text = hashlib.sha256(BASE_CONFIG.read_bytes()).hexdigest()
+    relevant["<base.yaml>"] = SAME_SETTINGS_AS.get(text, text)
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -188,7 +207,7 @@ def _partial() -> Study:
             {"budget": b, "method": m},
             {
                 "train.updates_per_batch": 2,
-                **({"rollout.partial.token_budget": t} if t else {}),
+                **({"partial_rollouts.token_budget": t} if t else {}),
                 **METHODS[m],
             },
             same_as=("staleness", f"updates=2/method={m}") if t is None else None,
@@ -217,7 +236,7 @@ DEFAULT_ARM = ("staleness", f"updates={ABLATION_UPDATES}/method=bapo")
 # At rho0 = 0.4 the search hardly ever leaves its starting bounds here (the positive share at [0.6, 1.2]
 # is already ~0.5-0.65, see docs/results.md), so measure and order cannot differ there: they are
 # compared at rho0 = 0.5, where the search moves; their default arm is the rho0 study's 0.5 cell.
-ACTIVE_SEARCH = {"loss.bapo.rho0": 0.5}
+ACTIVE_SEARCH = {"loss_fn.bapo.rho0": 0.5}
 ACTIVE_ARM = ("rho0", "rho0=0.5")
 
 
@@ -248,7 +267,10 @@ def _ablation(
 # ones (15% of the warm-up's demonstrations get stuck repeating a step and never answer, so failing rollouts
 # run to the length limit) and heavy staleness at a doubled learning rate (up to 16 optimizer updates per
 # rollout batch). Its own budgets: 5 seeds, and the regime's settings for the warm-up and every run.
-IMBALANCE_REGIME: tuple[tuple[str, object], ...] = (("warmup.loop_rate", 0.15), ("optim.lr", 2.0e-4))
+IMBALANCE_REGIME: tuple[tuple[str, object], ...] = (
+    ("warmup.loop_rate", 0.15),
+    ("policy.optimizer.kwargs.lr", 2.0e-4),
+)
 IMBALANCE_STALENESS = (1, 4, 16)  # fixed clip at each: the regime's signature
 IMBALANCE_COMPARED_AT = (16,)  # every method here, where fixed clip collapsed in the probes
 IMBALANCE_BUDGETS = {
@@ -287,7 +309,7 @@ def _studies() -> dict[str, Study]:
             "measure",
             f"BAPO's rho measure, value (Eq. 8) vs gradient, rho0 = 0.5, {ABLATION_UPDATES} updates "
             "per batch.",
-            {"gradient": {}, "value": {"loss.bapo.measure": "value"}},
+            {"gradient": {}, "value": {"loss_fn.bapo.measure": "value"}},
             default_arm="gradient",
             base=ACTIVE_SEARCH,
             reuse=ACTIVE_ARM,
@@ -297,7 +319,11 @@ def _studies() -> dict[str, Study]:
             "Search order: paper (Algorithm 1) vs reference (the authors' code, same grids) vs "
             f"the authors' full recipe (P/N target 1 = share 0.5), rho0 = 0.5, {ABLATION_UPDATES} updates "
             "per batch.",
-            {"paper": {}, "reference": {"loss.bapo.order": "reference"}, "authors_recipe": AUTHORS_RECIPE},
+            {
+                "paper": {},
+                "reference": {"loss_fn.bapo.order": "reference"},
+                "authors_recipe": AUTHORS_RECIPE,
+            },
             quick_arms=("paper", "reference"),
             default_arm="paper",
             base=ACTIVE_SEARCH,
@@ -311,14 +337,14 @@ def _studies() -> dict[str, Study]:
             "Bound search per micro-batch (8 sequences) vs per optimizer step, "
             f"{ABLATION_UPDATES} updates per batch.",
             {
-                "microbatch": {"loss.bapo.granularity": "microbatch", "train.micro_batch_size": 8},
-                "step": {"loss.bapo.granularity": "step", "train.micro_batch_size": 8},
+                "microbatch": {"loss_fn.bapo.granularity": "microbatch", "policy.train_micro_batch_size": 8},
+                "step": {"loss_fn.bapo.granularity": "step", "policy.train_micro_batch_size": 8},
             },
         ),
         _ablation(
             "rho0",
             f"Target positive share rho0 0.3 / 0.4 / 0.5, {ABLATION_UPDATES} updates per batch.",
-            {"0.3": {"loss.bapo.rho0": 0.3}, "0.4": {}, "0.5": {"loss.bapo.rho0": 0.5}},
+            {"0.3": {"loss_fn.bapo.rho0": 0.3}, "0.4": {}, "0.5": {"loss_fn.bapo.rho0": 0.5}},
             quick_arms=("0.3", "0.5"),
             default_arm="0.4",
         ),
@@ -344,10 +370,10 @@ def expand(study: Study | str, mode: Mode = "full", budget: Budget | None = None
     for seed in budget.seeds:
         for cell in study.cells_for(mode):
             overrides = {
-                "seed": seed,
+                "grpo.seed": seed,
                 **COMMON,
-                "train.max_steps": budget.max_steps,
-                "eval.every": budget.eval_every,
+                "grpo.max_num_steps": budget.max_steps,
+                "grpo.val_period": budget.eval_every,
                 **dict(budget.extra),
                 **cell.overrides,
             }
@@ -368,5 +394,5 @@ def warmup_overrides(seed: int, mode: Mode = "full", budget: Budget | None = Non
     """Overrides of the per-seed warm-up job: the common settings and no RL steps. The warm-up cache key
     (seed, model, task, warmup) matches every run of that seed, whatever its cell."""
     budget = budget or BUDGETS[mode]
-    overrides = {"seed": seed, **COMMON, **dict(budget.extra), "train.max_steps": 0}
+    overrides = {"grpo.seed": seed, **COMMON, **dict(budget.extra), "grpo.max_num_steps": 0}
     return [f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()]

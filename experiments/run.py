@@ -71,9 +71,9 @@ def experiment_name(study: str, mode: str) -> str:
 
 def tracking_overrides(root: Path, spec: RunSpec) -> list[str]:
     return [
-        f"tracking.tracking_uri={tracking_uri(root, spec.mode, spec.study)}",
-        f"tracking.experiment_name={experiment_name(spec.study, spec.mode)}",
-        f"tracking.run_name={spec.run_name}",
+        f"logger.mlflow.tracking_uri={tracking_uri(root, spec.mode, spec.study)}",
+        f"logger.mlflow.experiment_name={experiment_name(spec.study, spec.mode)}",
+        f"logger.mlflow.run_name={spec.run_name}",
     ]
 
 

@@ -202,7 +202,7 @@ def load_runs(specs: list[RunSpec], uri: str, experiment: str, root: Path | None
         for key in HISTORY_KEYS:
             points = client.get_metric_history(run.info.run_id, key)
             history[key] = {int(m.step): float(m.value) for m in points}
-        max_steps = int(spec.overrides["train.max_steps"])
+        max_steps = int(spec.overrides["grpo.max_num_steps"])
         last_step = max((max(h) for h in history.values() if h), default=-1)
         completed = run.info.status == "FINISHED" and last_step >= max_steps
         reason = (
@@ -701,7 +701,7 @@ def markdown_section(summary: StudySummary, figure: Path, doc_dir: Path) -> str:
             lines.append(f"| {cell.name} | 0 | — | — | — | — | — | — | — | — | — | — |")
             continue
         collapsed = f"{round(s['collapsed'][0] * s['collapsed'][2])}/{s['collapsed'][2]}"
-        searched = cell.overrides.get("loss.bapo.enabled", True)  # fixed bounds: no search, no target
+        searched = cell.overrides.get("loss_fn.bapo.enabled", True)  # fixed bounds: no search, no target
         target = fmt(*s["target_met"][:2], 2) if searched else "n/a"
         lines.append(
             f"| {cell.name} | {n} | {fmt(*s['heldout_start'][:2])} → {fmt(*s['heldout_end'][:2])} | "

@@ -3,7 +3,7 @@
 SPEC.json holds {"config": path, "overrides": [...], "output_dir": ..., "warmup_from": dir or null}. The
 warm-up cache of the run's seed is copied into the run directory first (the trainer then loads it instead
 of repeating the supervised warm-up), and the run resumes from its newest complete checkpoint if an
-earlier attempt was interrupted. Exit code 0 only when the run reached train.max_steps.
+earlier attempt was interrupted. Exit code 0 only when the run reached grpo.max_num_steps.
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     if spec.get("warmup_from"):
         seed_warmup_cache(Path(spec["warmup_from"]), output_dir)
     summary = train(config, output_dir, resume=True)
-    if summary["stopped_by_signal"] or summary["step"] < config.train.max_steps:
+    if summary["stopped_by_signal"] or summary["step"] < config.grpo.max_num_steps:
         print(
-            f"stopped at step {summary['step']} of {config.train.max_steps} "
+            f"stopped at step {summary['step']} of {config.grpo.max_num_steps} "
             f"({summary['stopped_by_signal'] or 'incomplete'}); rerun the study to resume",
             file=sys.stderr,
         )
         return 3
-    remaining = flush_tracking(summary, config.tracking.experiment_name, output_dir)
+    remaining = flush_tracking(summary, config.logger.mlflow.experiment_name, output_dir)
     if remaining:
         print(
             f"{remaining} MLflow records still journaled in {output_dir / 'mlflow_buffer'}; rerun the study to "

@@ -1,4 +1,4 @@
-"""Your own model and data on the embedded trainer: any HF causal LM (`model.pretrained`) and a local
+"""Your own model and data on the embedded trainer: any HF causal LM (`policy.model_name`) and a local
 Hugging Face `datasets` source (`data.*`), graded by math-verify. Nothing can be downloaded here, so each
 test builds tiny random models of real families (Qwen2, Qwen3, Llama) from their configs, with a BPE
 tokenizer trained on the spot, and saves them with `save_pretrained`: the trainer loads them exactly as it
@@ -7,6 +7,8 @@ loads a downloaded model. Nothing is faked; the `gpu` test runs the same path on
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import warnings
 from pathlib import Path
 
@@ -113,24 +115,24 @@ def run_config(tmp_path: Path, model_dir: Path, data_path: Path, *overrides: str
         None,
         [
             "runtime.progress=false",
-            f"model.pretrained={model_dir}",
-            f"data.train_path={data_path}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"policy.model_name={model_dir}",
+            f"data.train.data_path={data_path}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
             "data.eval_size=4",
             "data.prompt_template={prompt} Put the answer in \\boxed{}.",
             "warmup.steps=0",
-            "rollout.group_size=2",
-            "rollout.prompts_per_step=2",
-            "rollout.partial.token_budget=8",
-            "rollout.partial.max_resumptions=2",
-            "rollout.partial.max_response_tokens=16",
-            "rollout.partial.max_in_flight_groups=4",
-            "train.max_steps=2",
-            "train.micro_batch_size=4",
-            "eval.every=2",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.num_prompts_per_step=2",
+            "partial_rollouts.token_budget=8",
+            "partial_rollouts.max_resumptions=2",
+            "partial_rollouts.max_response_tokens=16",
+            "partial_rollouts.max_in_flight_groups=4",
+            "grpo.max_num_steps=2",
+            "policy.train_micro_batch_size=4",
+            "grpo.val_period=2",
             "eval.k=1",
-            "checkpoint.every=1",
+            "checkpointing.save_period=1",
             "tracking.samples_every=1",
             *overrides,
         ],
@@ -170,11 +172,11 @@ def test_bf16_autocast_and_gradient_checkpointing_on_cpu_and_resume(tmp_path):
     """The code path of `runtime.device=cuda` (autocast, checkpointing), on CPU, through a resume."""
     model_dir = save_tiny_model("qwen2", tmp_path)
     data = write_dataset(tmp_path / "math.parquet", MATH_ROWS)
-    extra = ("runtime.autocast=bf16", "train.gradient_checkpointing=true")
+    extra = ("policy.precision=bfloat16", "policy.dtensor_cfg.activation_checkpointing=true")
     out = tmp_path / "run"
-    first = train(run_config(tmp_path, model_dir, data, *extra, "train.max_steps=1"), out)
+    first = train(run_config(tmp_path, model_dir, data, *extra, "grpo.max_num_steps=1"), out)
     assert first["step"] == 1
-    summary = train(run_config(tmp_path, model_dir, data, *extra, "train.max_steps=2"), out, resume=True)
+    summary = train(run_config(tmp_path, model_dir, data, *extra, "grpo.max_num_steps=2"), out, resume=True)
     assert summary["step"] == 2
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -236,9 +238,9 @@ def test_malformed_rows_are_counted_with_their_row_numbers(tmp_path):
     strict = load_config(
         None,
         [
-            f"data.train_path={data}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"data.train.data_path={data}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
             "data.max_bad_fraction=0.05",
         ],
     )
@@ -256,10 +258,10 @@ def test_dataset_formats_jsonl_and_save_to_disk_directory(tmp_path):
     cfg = load_config(
         None,
         [
-            f"data.train_path={jsonl}",
-            f"data.eval_path={disk}",
-            "data.prompt_field=problem",
-            "data.answer_field=final",
+            f"data.train.data_path={jsonl}",
+            f"data.validation.data_path={disk}",
+            "data.default.input_key=problem",
+            "data.default.output_key=final",
         ],
     )
     train_tasks, held_out = load_data(cfg.data, seed=0)
@@ -270,21 +272,21 @@ def test_dataset_formats_jsonl_and_save_to_disk_directory(tmp_path):
 def test_bad_input_names_the_key_or_file(tmp_path):
     data = write_dataset(tmp_path / "math.parquet", MATH_ROWS)
     # a dataset without the mapped field
-    cfg = load_config(None, [f"data.train_path={data}", "data.answer_field=final"])
-    with pytest.raises(DataError, match=r"no column 'question' \(data.prompt_field\).*'problem'"):
+    cfg = load_config(None, [f"data.train.data_path={data}", "data.default.output_key=final"])
+    with pytest.raises(DataError, match=r"no column 'question or prompt' \(data.default.input_key\).*'problem'"):
         load_data(cfg.data, seed=0)
     # a missing file, an unknown format
-    cfg = load_config(None, [f"data.train_path={tmp_path / 'nope.parquet'}"])
-    with pytest.raises(DataError, match="data.train_path.*does not exist"):
+    cfg = load_config(None, [f"data.train.data_path={tmp_path / 'nope.parquet'}"])
+    with pytest.raises(DataError, match="data.train.data_path.*does not exist"):
         load_data(cfg.data, seed=0)
     (tmp_path / "rows.txt").write_text("x")
-    cfg = load_config(None, [f"data.train_path={tmp_path / 'rows.txt'}"])
+    cfg = load_config(None, [f"data.train.data_path={tmp_path / 'rows.txt'}"])
     with pytest.raises(DataError, match="suffix '.txt'"):
         load_data(cfg.data, seed=0)
     # a directory that is not a model
     (tmp_path / "not_a_model").mkdir()
     cfg = run_config(tmp_path, tmp_path / "not_a_model", data)
-    with pytest.raises(ModelLoadError, match="model.pretrained=.*not a model directory"):
+    with pytest.raises(ModelLoadError, match="policy.model_name=.*not a model directory"):
         train(cfg, tmp_path / "run")
 
 
@@ -295,7 +297,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.pad_token = tok.eos_token
     window = 64  # max_response_tokens=16 leaves 48 prompt tokens: the long row needs more
-    cfg = run_config(tmp_path, model_dir, data, "data.eval_path=" + str(data))
+    cfg = run_config(tmp_path, model_dir, data, "data.validation.data_path=" + str(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
@@ -305,7 +307,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     )
 
     cfg = run_config(
-        tmp_path, model_dir, data, "data.eval_path=" + str(data), "data.overlong_prompts=truncate"
+        tmp_path, model_dir, data, "data.validation.data_path=" + str(data), "data.overlong_prompts=truncate"
     )
     encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
     long = next(t for t in pool if t.answer == "60")
@@ -324,8 +326,8 @@ def test_cuda_bf16_autocast_gradient_checkpointing_end_to_end(tmp_path):
         model_dir,
         data,
         "runtime.device=cuda",
-        "runtime.autocast=bf16",
-        "train.gradient_checkpointing=true",
+        "policy.precision=bfloat16",
+        "policy.dtensor_cfg.activation_checkpointing=true",
     )
     summary = train(cfg, tmp_path / "run")
     assert summary["step"] == 2
@@ -343,12 +345,12 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     model_dir = save_tiny_model("qwen2", tmp_path)
     ids = torch.tensor([[1, 5, 7, 9]])
     plain = prepare_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "none", False
+        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "float32", False
     )
     assert plain(input_ids=ids).logits.dtype == torch.float32
     assert not plain.is_gradient_checkpointing
     fast = prepare_model(
-        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "bf16", True
+        AutoModelForCausalLM.from_pretrained(model_dir), torch.device("cpu"), "float32", "bfloat16", True
     )
     assert fast(input_ids=ids).logits.dtype == torch.bfloat16
     assert next(fast.parameters()).dtype == torch.float32
@@ -359,52 +361,164 @@ def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     )
 
 
-def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from_the_cli(tmp_path):
-    """configs/own_model.yaml as the README runs it (a subprocess of the CLI), pointed at a local model
-    and JSONL file, on CPU, for one step; and a directory that is not a model gives a one-line error."""
+def readme_own_model_command() -> list[str]:
+    """The README's own-model command (the CPU one), as written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("## Your own model and data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    [line] = [x for x in block.replace("\\\n", " ").splitlines() if x.startswith("bapo-nemo train")]
+    return shlex.split(line)
+
+
+def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
+    """The README's own-model command, run as written (a CLI subprocess) in a directory holding
+    my_math.jsonl, on this CPU machine. Only the hub id is swapped for a local model (the tests download
+    nothing) and settings that make it one short step are appended. Its GPU variant (the same without the
+    CPU settings) stops at once naming both settings; with runtime.device=cpu alone it says bf16 autocast
+    runs on the CPU."""
     import subprocess
     import sys
 
+    readme = readme_own_model_command()
+    assert readme[:3] == ["bapo-nemo", "train", "configs/own_model.yaml"]
+    assert "policy.model_name=Qwen/Qwen2.5-0.5B-Instruct" in readme and "--output-dir" not in readme
+    cpu_settings = readme[-2:]
+    assert cpu_settings == ["runtime.device=cpu", "policy.precision=float32"]
     model_dir = save_tiny_model("qwen2", tmp_path)
-    jsonl = tmp_path / "my_math.jsonl"
-    jsonl.write_text(
+    (tmp_path / "configs").symlink_to(Path(__file__).resolve().parents[1] / "configs")
+    (tmp_path / "my_math.jsonl").write_text(
         "".join(json.dumps({"question": r["problem"], "answer": r["final"]}) + "\n" for r in MATH_ROWS)
     )
-    repo = Path(__file__).resolve().parents[1]
-    base = [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml")]
-    small = [
-        f"data.train_path={jsonl}",
+    command = [sys.executable, "-m", "bapo_nemo.cli", *readme[1:]]
+    command[command.index("policy.model_name=Qwen/Qwen2.5-0.5B-Instruct")] = f"policy.model_name={model_dir}"
+    one_step = [
         "data.eval_size=4",
-        "runtime.device=cpu",
-        "runtime.autocast=none",
-        "rollout.group_size=2",
-        "rollout.prompts_per_step=2",
-        "rollout.partial.token_budget=8",
-        "rollout.partial.max_response_tokens=16",
-        "rollout.partial.max_in_flight_groups=4",
-        "train.max_steps=1",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.num_prompts_per_step=2",
+        "partial_rollouts.token_budget=8",
+        "partial_rollouts.max_response_tokens=16",
+        "partial_rollouts.max_in_flight_groups=4",
+        "grpo.max_num_steps=1",
         "eval.k=1",
         "--no-progress",
     ]
-    done = subprocess.run(
-        [*base, f"model.pretrained={model_dir}", *small, "--output-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+
+    done = run(*command, *one_step)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 1
-    assert (tmp_path / "run" / "hf_final" / "COMPLETE").is_file()
+    assert json.loads((tmp_path / "runs" / "own_model" / "summary.json").read_text())["step"] == 1
+    assert (tmp_path / "runs" / "own_model" / "hf_final" / "COMPLETE").is_file()
+    assert "bf16 autocast" not in done.stderr
+
+    gpu = [a for a in command if a not in cpu_settings]
+    if not torch.cuda.is_available():
+        no_gpu = run(*gpu, *one_step)
+        assert no_gpu.returncode == 2
+        [line] = no_gpu.stderr.strip().splitlines()
+        assert line.startswith("error: runtime.device=cuda")
+        assert line.endswith("add runtime.device=cpu policy.precision=float32")
 
     (tmp_path / "empty").mkdir()
-    bad = subprocess.run(
-        [*base, f"model.pretrained={tmp_path / 'empty'}", *small, "--output-dir", str(tmp_path / "run2")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    bad = run(*gpu, "runtime.device=cpu", f"policy.model_name={tmp_path / 'empty'}", *one_step,
+              "--output-dir", "runs/bad")
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].startswith("error: model.pretrained=")
+    assert bad.stderr.startswith("note: policy.precision=bfloat16 on CPU: every forward runs under bf16")
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: policy.model_name=")
     assert "not a model directory" in bad.stderr
+
+
+REWARD_MODULE = '''
+import json
+
+def digits(prompts, completions, answer, **kwargs):
+    """A reward of one's own, as TRL's reward_funcs are written: one reward per completion."""
+    with open("calls.jsonl", "a") as log:
+        log.write(json.dumps({"prompts": prompts, "completions": completions, "answer": answer,
+                              "other": sorted(kwargs)}) + "\\n")
+    return [len(a) / 10 for a in answer]
+'''
+
+
+def save_eos_model(where: Path) -> Path:
+    """A tiny Qwen2 whose first sampled token is EOS whatever the prompt, so every response finishes and
+    is scored. By construction: the layers add nothing to the residual stream (output projections zero),
+    every embedding has 1 in dimension 0, the final norm keeps dimension 0 alone, and the tied EOS
+    embedding has 11 there: the EOS logit is 11x every other one (about 60 against 5.6)."""
+    model_dir = save_tiny_model("qwen2", where)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        embeddings[:, 0] = 1.0
+        embeddings[eos, 0] = 11.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def test_a_reward_of_ones_own_named_module_function_grades_the_run(tmp_path):
+    """`data.reward=my_rewards:digits` (a module beside the user, written here) grades a run started as a user
+    starts it, on a dataset with TRL's `prompt` column and no column setting. The function is called as TRL
+    calls reward_funcs (prompts, completions, the answer column by name, one completion per call), and the
+    step's reward/mean is the mean of what it returned for the step's groups."""
+    import subprocess
+    import sys
+
+    model_dir = save_eos_model(tmp_path)
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in (1, 7, 40, 95) for b in (2, 5)]
+    (tmp_path / "trl_style.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml"),
+         f"policy.model_name={model_dir}", "data.train.data_path=trl_style.jsonl",
+         "data.reward=my_rewards:digits", "data.prompt_template=Question {prompt}", "runtime.device=cpu",
+         "policy.precision=float32", "data.eval_size=2", "grpo.num_generations_per_prompt=2",
+         "grpo.num_prompts_per_step=3", "partial_rollouts.token_budget=8",
+         "partial_rollouts.max_response_tokens=16", "partial_rollouts.max_in_flight_groups=4",
+         "grpo.max_num_steps=1", "eval.k=1", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = {f"Question {r['prompt']}": r["answer"] for r in rows}
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) >= 3 * 2  # the step's 3 groups of 2 (all finished), plus the held-out rows
+    for call in calls:
+        assert call["other"] == [] and [len(call[k]) for k in ("prompts", "completions", "answer")] == [1, 1, 1]
+        assert answers[call["prompts"][0]] == call["answer"][0]  # the answer of that very prompt
+    run = tmp_path / "runs" / "own_model"
+    [step] = [json.loads(line) for line in (run / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [rows[int(g["prompt_id"].split("#")[0].rsplit("-", 1)[1])]["answer"] for g in step["groups"]]
+    [metrics] = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m["step"] == 1]
+    assert metrics["reward/mean"] == pytest.approx(sum(len(a) / 10 for a in trained) / len(trained))
+
+
+def test_a_reward_that_cannot_be_used_is_one_error_naming_data_reward(tmp_path, monkeypatch):
+    from bapo_nemo.embedded.rewards import reward_function
+    from bapo_nemo.embedded.tasks import Task
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the module's directory is added while resolving it
+    (tmp_path / "shaky_rewards.py").write_text(
+        "def pair(completions, **kwargs):\n    return [1.0, 0.0]\n"
+        "def none(completions, **kwargs):\n    return [None]\n"
+        "def half(completions, answer, **kwargs):\n    return [0.5 for _ in completions]\n"
+    )
+    monkeypatch.delitem(sys.modules, "shaky_rewards", raising=False)
+    task = Task("t-0", "What is 1 + 1?", "2")
+    assert reward_function("shaky_rewards:half", "answer")("2", task) == 0.5
+    with pytest.raises(DataError, match=r"data.reward=no_such_module:f: cannot import module 'no_such_module'"):
+        reward_function("no_such_module:f", "answer")
+    with pytest.raises(DataError, match=r"data.reward=shaky_rewards:missing: .*shaky_rewards.py has no function"):
+        reward_function("shaky_rewards:missing", "answer")
+    with pytest.raises(DataError, match=r"returned \[1.0, 0.0\] for one completion"):
+        reward_function("shaky_rewards:pair", "answer")("2", task)
+    with pytest.raises(DataError, match="returned the reward None: each reward must be a finite number"):
+        reward_function("shaky_rewards:none", "answer")("2", task)
+    with pytest.raises(TypeError, match="answer"):  # the answer comes under its column's name, as in TRL
+        reward_function("shaky_rewards:half", "final")("2", task)

@@ -8,7 +8,8 @@ import copy
 
 import torch
 
-from bapo_nemo.embedded.config import LossConfig, ModelConfig
+from bapo_nemo.algorithm import BAPOConfig
+from bapo_nemo.embedded.config import ModelConfig
 from bapo_nemo.embedded.grpo import TokenBatch, policy_update
 from bapo_nemo.embedded.model import build_model, token_logprobs_and_entropy
 from bapo_nemo.embedded.tokenizer import load_tokenizer
@@ -37,14 +38,14 @@ def test_kept_graphs_give_the_extra_forward_update_exactly_with_half_the_forward
     model_cfg = ModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
     base = build_model(model_cfg, tokenizer, seed=0)
     batch = _stale_batch(base)
-    loss_cfg = LossConfig.model_validate({"bapo": {"granularity": "step", "rho0": 0.6}})
+    bapo = BAPOConfig(granularity="step", rho0=0.6)
     results = {}
     for name, graph_tokens in (("extra forward", 0), ("kept graphs", 10**6)):
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         forwards = []
         model.register_forward_hook(lambda *_, calls=forwards: calls.append(1))
-        metrics = policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, loss_cfg,
+        metrics = policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, bapo,
                                 micro_batch_size=4, grad_clip=1.0, step_search_graph_tokens=graph_tokens)
         results[name] = (metrics, [p.detach().clone() for p in model.parameters()], len(forwards))
 
@@ -86,7 +87,7 @@ def test_update_does_not_depend_on_how_rows_are_cut_into_micro_batches():
     model_cfg = ModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
     base = build_model(model_cfg, tokenizer, seed=0)
     batch = _stale_batch(base, n=16, seed=3)
-    loss_cfg = LossConfig.model_validate({"bapo": {"granularity": "step", "rho0": 0.6}})
+    bapo = BAPOConfig(granularity="step", rho0=0.6)
     params, padded = {}, {}
     for micro_batch_size in (16, 8):
         model = copy.deepcopy(base)
@@ -94,7 +95,7 @@ def test_update_does_not_depend_on_how_rows_are_cut_into_micro_batches():
         shapes = []
         model.register_forward_hook(lambda _m, _a, kw, _o, seen=shapes: seen.append(kw["input_ids"].shape),
                                     with_kwargs=True)
-        policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, loss_cfg,
+        policy_update(model, optimizer, batch, batch.behavior_logprobs, batch.loss_weights, bapo,
                       micro_batch_size=micro_batch_size, grad_clip=1.0, step_search_graph_tokens=10**6)
         params[micro_batch_size] = [p.detach().clone() for p in model.parameters()]
         padded[micro_batch_size] = sum(rows * width for rows, width in shapes)

@@ -20,7 +20,17 @@ from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.trainer import ResumeError, train
 
 TINY = {
-    "seed": 0,
+    "grpo": {"seed": 0, "num_generations_per_prompt": 4, "num_prompts_per_step": 4, "max_num_steps": 16,
+             "val_period": 8},
+    "policy": {"train_micro_batch_size": 32},
+    # 6-token segments: most responses need several, so checkpoints hold segments in flight
+    "partial_rollouts": {
+        "token_budget": 6,
+        "max_resumptions": 6,
+        "max_response_tokens": 36,
+        "max_in_flight_groups": 8,
+    },
+    "checkpointing": {"save_period": 2, "keep_top_k": 3},
     "runtime": {"progress": False},
     "model": {
         "hidden_size": 32,
@@ -32,20 +42,8 @@ TINY = {
     },
     "task": {"max_ops": 3, "eval_size": 8},
     "warmup": {"steps": 10, "batch_size": 8},
-    "rollout": {
-        "group_size": 4,
-        "prompts_per_step": 4,
-        # 6-token segments: most responses need several, so checkpoints hold segments in flight
-        "partial": {
-            "token_budget": 6,
-            "max_resumptions": 6,
-            "max_response_tokens": 36,
-            "max_in_flight_groups": 8,
-        },
-    },
-    "train": {"max_steps": 16, "updates_per_batch": 2, "micro_batch_size": 32},
-    "eval": {"every": 8, "k": 2},
-    "checkpoint": {"every": 2, "keep_last": 3},
+    "train": {"updates_per_batch": 2},
+    "eval": {"k": 2},
     "tracking": {"samples_every": 4},
 }
 
@@ -187,7 +185,7 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     config, out = _write_config(tmp_path), tmp_path / "run"
-    proc = _launch(config, out, "train.max_steps=400", json_summary=False)
+    proc = _launch(config, out, "grpo.max_num_steps=400", json_summary=False)
     _wait_for_checkpoint(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
@@ -197,7 +195,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     match = re.fullmatch(rf"stopped by SIGTERM at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
                          r"step_(\d+)", lines[0])
     assert match and match.group(1) == match.group(2), stdout
-    assert f"  bapo-nemo train {config} train.max_steps=400 --output-dir {out} --resume   # continue where it stopped" \
+    assert f"  bapo-nemo train {config} grpo.max_num_steps=400 --output-dir {out} --resume   # continue where it stopped" \
         in lines, stdout
     stopped = int(match.group(1))
     assert 2 <= stopped < 400
@@ -234,7 +232,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "KILLED"
 
-    rerun = _launch(config, out, "warmup.steps=2", "train.max_steps=1")
+    rerun = _launch(config, out, "warmup.steps=2", "grpo.max_num_steps=1")
     stdout, stderr = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
@@ -245,25 +243,24 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
 
 def test_resume_refuses_a_checkpoint_from_another_config(tmp_path):
     out = tmp_path / "run"
-    cfg = load_config(_write_config(tmp_path), ["train.max_steps=1", "checkpoint.every=1"])
+    cfg = load_config(_write_config(tmp_path), ["grpo.max_num_steps=1", "checkpointing.save_period=1"])
     train(cfg, out)
     with pytest.raises(ResumeError, match="pass --resume"):
         train(cfg, out, resume=False)  # never overwrite silently
     other = load_config(
-        _write_config(tmp_path), ["model.hidden_size=64", "loss.bapo.rho0=0.5", "task.max_ops=2"]
+        _write_config(tmp_path), ["model.hidden_size=64", "loss_fn.bapo.rho0=0.5", "task.max_ops=2"]
     )
     with pytest.raises(ResumeError) as exc:
         train(other, out, resume=True)
     msg = str(exc.value)
-    for key in ("model.hidden_size: checkpoint=32, now=64", "loss.bapo.rho0", "task.max_ops"):
+    for key in ("model.hidden_size: checkpoint=32, now=64", "loss_fn.bapo.rho0", "task.max_ops"):
         assert key in msg
     # Harmless keys may change: a longer run continues from the checkpoint.
-    longer = load_config(_write_config(tmp_path), ["train.max_steps=2", "checkpoint.every=5"])
+    longer = load_config(_write_config(tmp_path), ["grpo.max_num_steps=2", "checkpointing.save_period=5"])
     assert train(longer, out, resume=True)["step"] == 2
 
 
 LEARNS = {
-    "seed": 0,
     "runtime": {"progress": False},
     "model": {
         "hidden_size": 128,
@@ -275,20 +272,18 @@ LEARNS = {
     },
     "task": {"max_ops": 3, "eval_size": 64},
     "warmup": {"steps": 400, "batch_size": 32, "lr": 3.0e-3, "step_error_rate": 0.1},
-    "rollout": {
-        "group_size": 8,
-        "prompts_per_step": 16,
-        "partial": {
-            "token_budget": 8,
-            "max_resumptions": 4,
-            "max_response_tokens": 32,
-            "max_in_flight_groups": 32,
-        },
+    "grpo": {"seed": 0, "num_generations_per_prompt": 8, "num_prompts_per_step": 16, "max_num_steps": 20,
+             "val_period": 10},
+    "policy": {"train_micro_batch_size": 32, "optimizer": {"kwargs": {"lr": 1.0e-4}}},
+    "partial_rollouts": {
+        "token_budget": 8,
+        "max_resumptions": 4,
+        "max_response_tokens": 32,
+        "max_in_flight_groups": 32,
     },
-    "optim": {"lr": 1.0e-4},
-    "train": {"max_steps": 20, "updates_per_batch": 2, "micro_batch_size": 32},
-    "eval": {"every": 10, "k": 8},
-    "checkpoint": {"every": 100},
+    "train": {"updates_per_batch": 2},
+    "eval": {"k": 8},
+    "checkpointing": {"save_period": 100},
 }
 
 
@@ -303,7 +298,7 @@ def test_rl_raises_held_out_accuracy(tmp_path):
     runs = {}
     for seed in (0, 1):
         (tmp_path / f"seed{seed}").mkdir()
-        config = _write_config(tmp_path / f"seed{seed}", {**LEARNS, "seed": seed})
+        config = _write_config(tmp_path / f"seed{seed}", {**LEARNS, "grpo": {**LEARNS["grpo"], "seed": seed}})
         runs[seed] = _launch(config, tmp_path / f"seed{seed}" / "run")
     gains = []
     for seed, proc in runs.items():
@@ -332,10 +327,10 @@ def test_replay_proximal_reference_stale_downweight_and_jsonl_tasks(tmp_path):
     (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in eval_rows) + "\n")
     data = json.loads(json.dumps(TINY))
     data["task"].update(train_file=str(tmp_path / "train.jsonl"), eval_file=str(tmp_path / "eval.jsonl"))
-    data["rollout"]["partial"].update(stale_segments="downweight", stale_weight_decay=0.5)
+    data["partial_rollouts"].update(stale_segments="downweight", stale_weight_decay=0.5)
     data["replay"] = {"groups_per_step": 2, "capacity": 16, "max_staleness": 8}
-    data["loss"] = {"ratio_reference": "proximal", "bapo": {"granularity": "microbatch"}}
-    data["train"].update(max_steps=4)
+    data["loss_fn"] = {"bapo": {"ratio_reference": "proximal", "granularity": "microbatch"}}
+    data["grpo"].update(max_num_steps=4)
     summary = train(load_config(_write_config(tmp_path, data)), tmp_path / "run")
     assert summary["step"] == 4
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -415,8 +410,8 @@ def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_t
     data = json.loads(json.dumps(TINY))
     data["runtime"]["progress"] = True
     data["task"].update(train_file="train.jsonl", eval_file="eval.jsonl")
-    data["train"]["max_steps"] = 4
-    data["eval"] = {"every": 2, "k": 2}
+    data["grpo"].update(max_num_steps=4, val_period=2)
+    data["eval"] = {"k": 2}
     config = _write_config(tmp_path, data)
     done = _cli("train", config.name, "--output-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -478,7 +473,7 @@ def test_a_failed_run_log_ends_with_the_line_the_console_ends_with(tmp_path, mis
     (no solutions to warm up on: an unexpected error) both end train.log with the console's last line."""
     data = json.loads(json.dumps(TINY))
     if mistake == "tracking server down":
-        data["tracking"]["tracking_uri"] = "http://127.0.0.1:9"
+        data["logger"] = {"mlflow": {"tracking_uri": "http://127.0.0.1:9"}}
     else:
         (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": f"{a}+1?", "answer": str(a + 1)}) + "\n"
                                                       for a in range(1, 10)))

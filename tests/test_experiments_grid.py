@@ -29,18 +29,18 @@ def test_staleness_grid_full_and_quick():
     cells = _by_cell(runs)
     fixed8 = cells[("updates=8/method=fixed", 2)].overrides
     assert fixed8["train.updates_per_batch"] == 8
-    assert fixed8["loss.bapo.enabled"] is False
-    assert (fixed8["loss.bapo.c_low_min"], fixed8["loss.bapo.c_high_min"]) == (0.8, 1.2)
-    assert fixed8["seed"] == 2 and fixed8["train.max_steps"] == BUDGETS["full"].max_steps
+    assert fixed8["loss_fn.bapo.enabled"] is False
+    assert (fixed8["loss_fn.bapo.c_low_min"], fixed8["loss_fn.bapo.c_high_min"]) == (0.8, 1.2)
+    assert fixed8["grpo.seed"] == 2 and fixed8["grpo.max_num_steps"] == BUDGETS["full"].max_steps
     higher1 = cells[("updates=1/method=clip_higher", 0)].overrides
     assert higher1["train.updates_per_batch"] == 1
     assert (
-        higher1["loss.bapo.enabled"],
-        higher1["loss.bapo.c_low_min"],
-        higher1["loss.bapo.c_high_min"],
+        higher1["loss_fn.bapo.enabled"],
+        higher1["loss_fn.bapo.c_low_min"],
+        higher1["loss_fn.bapo.c_high_min"],
     ) == (False, 0.8, 1.28)
     bapo4 = cells[("updates=4/method=bapo", 1)].overrides
-    assert bapo4["loss.bapo.enabled"] is True and "loss.bapo.c_low_min" not in bapo4  # paper grids
+    assert bapo4["loss_fn.bapo.enabled"] is True and "loss_fn.bapo.c_low_min" not in bapo4  # paper grids
 
     quick = expand("staleness", "quick")
     # quick keeps updates 1 and 8 x {fixed, bapo} x 2 seeds, and fewer steps
@@ -51,7 +51,7 @@ def test_staleness_grid_full_and_quick():
         (8, "fixed"),
         (8, "bapo"),
     }
-    assert {r.overrides["train.max_steps"] for r in quick} == {BUDGETS["quick"].max_steps}
+    assert {r.overrides["grpo.max_num_steps"] for r in quick} == {BUDGETS["quick"].max_steps}
 
 
 def test_partial_and_ablation_grids():
@@ -61,11 +61,11 @@ def test_partial_and_ablation_grids():
     budgets = {
         r.display_cell.labels["budget"]: load_config(
             BASE_CONFIG, r.override_list()
-        ).rollout.partial.token_budget
+        ).partial_rollouts.token_budget
         for r in partial
         if r.display_cell.labels["method"] == "bapo"
     }
-    off = base.rollout.partial.max_response_tokens
+    off = base.partial_rollouts.max_response_tokens
     assert budgets == {"16": 16, "32": 32, "off": off}  # budget = max_response_tokens: partial rollouts off
     # budget 16 (base.yaml's) at 2 updates is the staleness study's cell: those runs are reused, not repeated
     reused = {(r.display_cell.name, r.study, r.cell.name) for r in partial if r.shown_as}
@@ -82,10 +82,10 @@ def test_partial_and_ablation_grids():
     assert len(expand("rho0", "full")) == 3 * 3
     for name in ("measure", "order", "granularity", "rho0"):
         for r in expand(name, "full"):
-            assert r.overrides["train.updates_per_batch"] == 4 and r.overrides["loss.bapo.enabled"] is True
+            assert r.overrides["train.updates_per_batch"] == 4 and r.overrides["loss_fn.bapo.enabled"] is True
 
     measure = {(r.display_cell.name, r.seed): r for r in expand("measure", "full")}
-    assert measure[("measure=value", 0)].overrides["loss.bapo.measure"] == "value"
+    assert measure[("measure=value", 0)].overrides["loss_fn.bapo.measure"] == "value"
     # rho0's default arm (0.4) is BAPO at 4 updates of the staleness study; measure and order run at
     # rho0 = 0.5 and their default arm (gradient, paper order) is the rho0 study's 0.5 cell
     staleness_bapo4 = {
@@ -104,24 +104,26 @@ def test_partial_and_ablation_grids():
             else:
                 assert r.study == study and r.shown_as is None
                 if study != "rho0":
-                    assert r.overrides["loss.bapo.rho0"] == 0.5
+                    assert r.overrides["loss_fn.bapo.rho0"] == 0.5
     rho0 = {
-        r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss.bapo.rho0
+        r.display_cell.name: load_config(BASE_CONFIG, r.override_list()).loss_fn.bapo.rho0
         for r in expand("rho0", "full")
     }
     assert rho0 == {"rho0=0.3": 0.3, "rho0=0.4": 0.4, "rho0=0.5": 0.5}
     gran = _by_cell(expand("granularity", "full"))
     for arm in ("microbatch", "step"):
         ov = gran[(f"granularity={arm}", 1)].overrides
-        assert ov["loss.bapo.granularity"] == arm and ov["train.micro_batch_size"] == 8
+        assert ov["loss_fn.bapo.granularity"] == arm and ov["policy.train_micro_batch_size"] == 8
     order = {(r.display_cell.name, r.seed): r for r in expand("order", "full")}
     recipe = order[("order=authors_recipe", 0)].overrides
-    assert (recipe["loss.bapo.order"], recipe["loss.bapo.measure"], recipe["loss.bapo.dual_clip"]) == (
+    assert (
+        recipe["loss_fn.bapo.order"], recipe["loss_fn.bapo.measure"], recipe["loss_fn.bapo.dual_clip"]
+    ) == (
         "reference",
         "value",
         3.0,
     )
-    assert order[("order=reference", 0)].overrides["loss.bapo.order"] == "reference"
+    assert order[("order=reference", 0)].overrides["loss_fn.bapo.order"] == "reference"
 
 
 def test_run_names_and_fingerprints_are_unique():
@@ -137,7 +139,7 @@ def test_run_names_and_fingerprints_are_unique():
     r = runs[0]
     from experiments.grid import fingerprint
 
-    assert fingerprint({**r.overrides, "tracking.run_name": "x"}) == r.fingerprint
+    assert fingerprint({**r.overrides, "logger.mlflow.run_name": "x"}) == r.fingerprint
 
 
 @pytest.mark.parametrize("mode", ["full", "quick"])
@@ -153,7 +155,7 @@ def test_every_run_is_a_valid_config_sharing_its_seeds_warmup(mode):
         assert warm_keys[0] != warm_keys[1]  # the seed is part of the key
         for r in expand(name, mode):
             cfg = load_config(BASE_CONFIG, r.override_list())
-            assert cfg.seed == r.seed
+            assert cfg.grpo.seed == r.seed
             assert cfg.train.updates_per_batch == r.overrides["train.updates_per_batch"]
             assert warmup_io.cache_key(cfg.to_dict()) == warm_keys[r.seed], r.run_name
 
@@ -174,5 +176,26 @@ def test_imbalance_study_has_its_own_warmups_with_looping_demonstrations():
         assert {r.seed for r in runs} == set(budget.seeds)
         for r in runs:
             cfg = load_config(BASE_CONFIG, r.override_list())
-            assert cfg.optim.lr == dict(IMBALANCE_REGIME)["optim.lr"] and cfg.train.max_steps == budget.max_steps
+            assert cfg.policy.optimizer.kwargs.lr == dict(IMBALANCE_REGIME)["policy.optimizer.kwargs.lr"]
+            assert cfg.grpo.max_num_steps == budget.max_steps
     assert len(expand("imbalance", "full")) == 6 * 5 and len(expand("imbalance", "quick")) == 3 * 2
+
+
+def test_runs_recorded_before_the_keys_took_nemo_rl_names_keep_their_names():
+    """docs/results/<mode>/<study>.json lists the runs each study recorded, by name (cell, seed and the
+    fingerprint of their settings). base.yaml and the cells' overrides took NeMo-RL's key names afterwards
+    with every setting kept: every run keeps its name, so `experiments.run` finds them done and
+    `experiments.summarize` finds them in the MLflow stores."""
+    import hashlib
+    import json
+
+    from experiments.grid import SAME_SETTINGS_AS
+
+    if hashlib.sha256(BASE_CONFIG.read_bytes()).hexdigest() not in SAME_SETTINGS_AS:
+        pytest.skip("base.yaml's settings changed since the recorded studies: their runs are out of date by design")
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for mode in ("full", "quick"):
+        for name in STUDIES:
+            recorded = json.loads((results / mode / f"{name}.json").read_text())
+            names = set(recorded["completed"]) | set(recorded.get("not_completed", []))
+            assert names == {r.run_name for r in expand(name, mode)}, (mode, name)

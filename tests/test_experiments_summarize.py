@@ -21,7 +21,7 @@ BUDGET = Budget(max_steps=10, eval_every=5, seeds=(0, 1))
 TOY = Study(
     "toy",
     "Two arms of a toy study.",
-    (Cell({"arm": "a"}, {"loss.bapo.rho0": 0.3}), Cell({"arm": "b"}, {"loss.bapo.rho0": 0.5})),
+    (Cell({"arm": "a"}, {"loss_fn.bapo.rho0": 0.3}), Cell({"arm": "b"}, {"loss_fn.bapo.rho0": 0.5})),
 )
 STEPS = range(1, 11)
 
@@ -198,7 +198,7 @@ PAIRED = Study(
     "fixed vs bapo at two staleness levels.",
     tuple(
         Cell(
-            {"updates": u, "method": m}, {"train.updates_per_batch": int(u), "loss.bapo.enabled": m == "bapo"}
+            {"updates": u, "method": m}, {"train.updates_per_batch": int(u), "loss_fn.bapo.enabled": m == "bapo"}
         )
         for u in ("1", "4")
         for m in ("fixed", "bapo")

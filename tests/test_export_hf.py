@@ -38,7 +38,7 @@ def write_checkpoint(output_dir: Path, step: int, run_id: str | None = "run-abc"
     info = {"step": step, "mlflow_run_id": run_id, "mlflow_tracking_uri": uri, "config_hash": "0123abcd",
             "bapo": BAPOConfig().model_dump(mode="json"), "model_name": "tiny-qwen2"}
     return save_checkpoint(output_dir, step, model, tokenizer, {"step": step}, {"manager": {}},
-                           {"loss": {"bapo": {"rho0": 0.4}}}, info, keep_last=5)
+                           {"loss_fn": {"bapo": {"rho0": 0.4}}}, info, keep_last=5)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,9 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     uri = f"sqlite:///{root}/mlflow.db"
     embedded = MlflowTracker(uri, "bapo-vs-grpo", run_name="bapo-embedded", buffer_dir=root / "buf")
-    embedded_id = embedded.start({"loss": {"bapo": {"rho0": 0.4, "order": "paper"}}, "optim": {"lr": 0.001}}, {})
+    embedded_id = embedded.start(
+        {"loss_fn": {"bapo": {"rho0": 0.4, "order": "paper"}}, "policy": {"optimizer": {"kwargs": {"lr": 0.001}}}}, {}
+    )
     for step in range(STEPS):
         embedded.log_metrics({
             "reward/mean": 0.1 * step, "entropy": 1.0 - 0.05 * step, "bapo/rho": 0.3 + 0.01 * step,
@@ -129,9 +131,9 @@ def test_rho_panel_target_comes_from_the_runs_that_search(store, tmp_path):
     from bapo_nemo.tracking.report import RunData, build_report, target_shares
 
     result = build_report(store["uri"], "bapo-vs-grpo", None, tmp_path, log_to_runs=False, progress=False)
-    assert target_shares(result.runs) == [0.4]  # bapo-embedded: loss.bapo.rho0 = 0.4; grpo-nemo has none
-    off = RunData("x", "fixed", "FINISHED", {"loss.bapo.enabled": "False", "loss.bapo.rho0": "0.4"})
-    other = RunData("y", "rho05", "FINISHED", {"loss.bapo.enabled": "True", "loss.bapo.rho0": "0.5"})
+    assert target_shares(result.runs) == [0.4]  # bapo-embedded: loss_fn.bapo.rho0 = 0.4; grpo-nemo has none
+    off = RunData("x", "fixed", "FINISHED", {"loss_fn.bapo.enabled": "False", "loss_fn.bapo.rho0": "0.4"})
+    other = RunData("y", "rho05", "FINISHED", {"loss_fn.bapo.enabled": "True", "loss_fn.bapo.rho0": "0.5"})
     assert target_shares([off, other, *result.runs]) == [0.5, 0.4]
 
 

@@ -270,8 +270,8 @@ def slurm():
 
 # A tiny embedded run: a 10-step warm-up, checkpoints every 2 steps, almost no evaluation.
 TINY_RUN_ARGS = (
-    "--no-progress warmup.steps=10 checkpoint.every=2 checkpoint.keep_last=2 eval.every=1000 eval.k=1 "
-    "task.eval_size=4 tracking.samples_every=1000"
+    "--no-progress warmup.steps=10 checkpointing.save_period=2 checkpointing.keep_top_k=2 grpo.val_period=1000 "
+    "eval.k=1 task.eval_size=4 tracking.samples_every=1000"
 )
 SECRET = "hf_do_not_print_me_1234567890"
 

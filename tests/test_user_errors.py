@@ -28,18 +28,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = {
-    "seed": 0,
+    "grpo": {"seed": 0, "num_generations_per_prompt": 4, "num_prompts_per_step": 4, "max_num_steps": 3,
+             "val_period": 10},
+    "policy": {"train_micro_batch_size": 32},
+    "partial_rollouts": {"token_budget": 12, "max_resumptions": 3, "max_response_tokens": 36,
+                         "max_in_flight_groups": 8},
+    "checkpointing": {"save_period": 1, "keep_top_k": 5},
     "runtime": {"progress": False},
     "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
               "max_position_embeddings": 96},
     "task": {"max_ops": 3, "eval_size": 8},
     "warmup": {"steps": 4, "batch_size": 8},
-    "rollout": {"group_size": 4, "prompts_per_step": 4,
-                "partial": {"token_budget": 12, "max_resumptions": 3, "max_response_tokens": 36,
-                            "max_in_flight_groups": 8}},
-    "train": {"max_steps": 3, "updates_per_batch": 1, "micro_batch_size": 32},
-    "eval": {"every": 10, "k": 1},
-    "checkpoint": {"every": 1, "keep_last": 5},
+    "train": {"updates_per_batch": 1},
+    "eval": {"k": 1},
     "tracking": {"samples_every": 10},
 }
 
@@ -185,7 +186,7 @@ def _output_dir_is_a_file(tmp: Path) -> list[str]:
 def _data_config(tmp: Path, data_yaml: str) -> list[str]:
     """TINY plus a `data:` section written as YAML text, as a user would type it."""
     jsonl(tmp, "mine.jsonl", GOOD_ROWS)
-    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY) + f"data:\n  train_path: {tmp / 'mine.jsonl'}\n" + data_yaml)
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY) + f"data:\n  train:\n    data_path: {tmp / 'mine.jsonl'}\n" + data_yaml)
     return ["train", str(tmp / "cfg.yaml"), "--output-dir", str(tmp / "out")]
 
 
@@ -201,7 +202,7 @@ def _own_model(vocab_size: int, with_tokenizer: bool) -> Callable[[Path], list[s
         Qwen2ForCausalLM(config).save_pretrained(tmp / "model")
         if with_tokenizer:
             load_tokenizer().save_pretrained(tmp / "model")
-        cfg = with_(model={"pretrained": str(tmp / "model")})
+        cfg = with_(policy={"model_name": str(tmp / "model")})
         return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
     return setup
 
@@ -212,14 +213,14 @@ def _mixed_data_dir(tmp: Path) -> list[str]:
     data.mkdir()
     jsonl(data, "a.jsonl", GOOD_ROWS[:12])
     (data / "b.csv").write_text("question,answer\n" + "".join(f"{a}+{a}?,{2 * a}\n" for a in range(60)))
-    cfg = with_(data={"train_path": str(data), "eval_size": 4})
+    cfg = with_(data={"train": {"data_path": str(data)}, "eval_size": 4})
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
 def _letters_in_data(tmp: Path) -> list[str]:
     """Word problems for the bundled character tokenizer, which knows digits and arithmetic signs only."""
     rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 4)]
-    cfg = with_(data={"train_path": str(jsonl(tmp, "words.jsonl", rows)), "eval_size": 4})
+    cfg = with_(data={"train": {"data_path": str(jsonl(tmp, "words.jsonl", rows))}, "eval_size": 4})
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
@@ -233,15 +234,15 @@ LONG = "1+" * 150 + "1?"  # 302 characters: 303 tokens with BOS, on a 96-positio
 CASES = [
     # already handled before this table existed; kept so they stay handled
     Case("unknown config key", _train(None, "optim.learning_rate=0.1"), 2, ["optim.learning_rate", "did you mean"]),
-    Case("clip range empty", _train(None, "loss.bapo.c_low_min=1.5"), 2, ["loss.bapo"]),
-    Case("rho0 out of range", _train(None, "loss.bapo.rho0=1.5"), 2, ["rho0"]),
+    Case("clip range empty", _train(None, "loss_fn.bapo.c_low_min=1.5"), 2, ["loss_fn.bapo"]),
+    Case("rho0 out of range", _train(None, "loss_fn.bapo.rho0=1.5"), 2, ["rho0"]),
     Case("YAML syntax error", _bad_yaml, 2, ["bad.yaml", "not valid YAML"]),
     Case("JSONL >10% malformed rows", _tasks_file(GOOD_ROWS[:5] + ["{not json"] * 2), 2,
          ["tasks.jsonl", "line 6", "task.max_bad_fraction"]),
     # newly handled
     Case("empty config file", _empty_config, 2, ["empty.yaml is empty", "configs/local_cpu.yaml"]),
-    Case("lr is .inf", _train(None, "optim.lr=.inf"), 2, ["optim.lr", "finite"]),
-    Case("lr is .nan", _train(None, "optim.lr=.nan"), 2, ["optim.lr", "finite"]),
+    Case("lr is .inf", _train(None, "policy.optimizer.kwargs.lr=.inf"), 2, ["policy.optimizer.kwargs.lr", "finite"]),
+    Case("lr is .nan", _train(None, "policy.optimizer.kwargs.lr=.nan"), 2, ["policy.optimizer.kwargs.lr", "finite"]),
     Case("missing task.train_file", _train(with_(task={"train_file": "nowhere.jsonl"})), 2,
          ["nowhere.jsonl does not exist", "task.train_file"]),
     Case("tasks file with no tasks", _tasks_file([]), 2, ["holds no tasks"]),
@@ -253,7 +254,7 @@ CASES = [
          ["line 1: prompt of 1000003 tokens"]),
     Case("cuda without CUDA", _train(None, "runtime.device=cuda"), 2, ["runtime.device=cuda", "runtime.device=cpu"],
          skip="this machine has CUDA" if _has_cuda() else None),
-    Case("unreachable tracking server", _train(None, "tracking.tracking_uri=http://127.0.0.1:9"), 2,
+    Case("unreachable tracking server", _train(None, "logger.mlflow.tracking_uri=http://127.0.0.1:9"), 2,
          ["http://127.0.0.1:9", "Start the tracking server"]),
     Case("output dir in use", _locked, 2, ["is in use by PID", f"{os.getpid()}", "another --output-dir"]),
     Case("check --nodes 0", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "0",
@@ -267,11 +268,11 @@ CASES = [
     Case("prompt_template without {prompt}", lambda tmp: _data_config(tmp, "  prompt_template: 'Solve:'\n"), 2,
          ["data.prompt_template", "has no {prompt}"]),
     Case("own model without a tokenizer", _own_model(22, with_tokenizer=False), 2,
-         ["model.pretrained=", "encodes text as nothing", "tokenizer.save_pretrained"]),
+         ["policy.model_name=", "encodes text as nothing", "tokenizer.save_pretrained"]),
     Case("tokenizer larger than the model's vocabulary", _own_model(10, with_tokenizer=True), 2,
          ["the tokenizer has 22 tokens but the model's embedding has 10 rows"]),
     Case("dataset directory mixing file types", _mixed_data_dir, 2,
-         ["mixes kinds of data files", "a.jsonl", "b.csv", "set data.train_path to one file"]),
+         ["mixes kinds of data files", "a.jsonl", "b.csv", "set data.train.data_path to one file"]),
     Case("answers that can never score", _tasks_file(GOOD_ROWS[:5] + [{"question": "1+1?", "answer": "#2"},
                                                                       {"question": "1+2?", "answer": "3 "}]), 2,
          ["line 6: answer '#2' can never score", "line 7: answer '3 ' can never score", "task.max_bad_fraction"]),
@@ -304,7 +305,7 @@ def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_p
     the other rows and says which lines it skipped and why."""
     rows = (GOOD_ROWS[:20] + [{"question": LONG, "answer": "151"}] + GOOD_ROWS[20:27]
             + [{"question": "2+2?", "answer": "#4", "solution": "2+2=4;#4"}])
-    cfg = with_(task={"train_file": str(jsonl(tmp_path, "tasks.jsonl", rows))}, train={"max_steps": 1})
+    cfg = with_(task={"train_file": str(jsonl(tmp_path, "tasks.jsonl", rows))}, grpo={"max_num_steps": 1})
     done = bapo_nemo("train", str(write_config(tmp_path, cfg)), "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped 2 malformed row(s) of 29" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
@@ -403,7 +404,7 @@ def test_check_prints_no_warning(tmp_path):
 def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_path):
     """Two real `bapo-nemo train` processes into one --output-dir: the second exits 2 naming the first's
     PID; the first (stopped with SIGTERM afterwards) has one MLflow run and one metrics line per step."""
-    cfg = write_config(tmp_path, with_(train={"max_steps": 500}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}))
     first = start_training(cfg, tmp_path)
     try:
         lock = tmp_path / "out" / ".lock"
@@ -482,7 +483,7 @@ def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_pa
 
 
 def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
-    cfg = write_config(tmp_path, with_(train={"max_steps": 500}, checkpoint={"every": 100}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}, checkpointing={"save_period": 100}))
     proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"

@@ -92,8 +92,8 @@ def test_two_runs_creating_one_sqlite_store_take_turns(tmp_path):
     fails on `duplicate column name`); with it the second waits for the lock. They are let go when every
     process is at the barrier or waiting for a lock."""
     store = tmp_path / "shared" / "mlflow.db"
-    cfg = write_config(tmp_path, with_(train={"max_steps": 1}, warmup={"steps": 1},
-                                       tracking={"tracking_uri": f"sqlite:///{store}"}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 1}, warmup={"steps": 1},
+                                       logger={"mlflow": {"tracking_uri": f"sqlite:///{store}"}}))
     barrier = Barrier(tmp_path / "barrier")
     procs = [_start(barrier, "mlflow.store.db.utils:_initialize_tables", "train", str(cfg), "--output-dir",
                     f"run{i}", cwd=tmp_path) for i in range(2)]
@@ -118,10 +118,10 @@ def test_two_runs_creating_one_sqlite_store_take_turns(tmp_path):
 def test_sigterm_during_the_end_of_run_work_finishes_and_closes_the_run(tmp_path):
     """SIGTERM while the finished run draws its training plot (held there by the barrier): the process used
     to die on it with the MLflow run left RUNNING; now the run is finished first and marked FINISHED."""
-    cfg = write_config(tmp_path, with_(train={"max_steps": 1}, warmup={"steps": 1}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 1}, warmup={"steps": 1}))
     barrier = Barrier(tmp_path / "barrier")
     proc = _start(barrier, "bapo_nemo.embedded.trainer:_log_training_plot", "train", str(cfg), "--output-dir", "out",
-                  cwd=tmp_path)
+                  "--json", cwd=tmp_path)
     try:
         _until(lambda: barrier.arrived() == {proc.pid}, "the run is in its end-of-run work", [proc])
         proc.send_signal(signal.SIGTERM)
@@ -143,7 +143,7 @@ def test_sigterm_during_the_end_of_run_work_finishes_and_closes_the_run(tmp_path
 # ---- 10. exporting a run while it trains and prunes its checkpoints ----------------------------------------------
 def test_export_of_a_run_that_prunes_the_checkpoint_meanwhile(trained, tmp_path):
     """Two exports find step_3 (one given the run, one given step_3 itself) and wait; the run then trains on
-    with checkpoint.keep_last=1, deleting step_3. The export of the run moves on to the newest checkpoint
+    with checkpointing.keep_top_k=1, deleting step_3. The export of the run moves on to the newest checkpoint
     and says so; the export of step_3 says what happened and what to export instead."""
     run = copy_run(trained, tmp_path)
     barrier = Barrier(tmp_path / "barrier")
@@ -153,7 +153,7 @@ def test_export_of_a_run_that_prunes_the_checkpoint_meanwhile(trained, tmp_path)
     try:
         _until(lambda: barrier.arrived() == {p.pid for p in exports}, "both exports found step_3", exports)
         more = bapo_nemo("train", str(write_config(tmp_path)), "--output-dir", str(run), "--resume", "--max-steps",
-                         "5", "checkpoint.keep_last=1", cwd=tmp_path)
+                         "5", "checkpointing.keep_top_k=1", cwd=tmp_path)
         assert more.returncode == 0, more.stderr[-3000:]
         assert not (run / "checkpoints" / "step_3").exists()  # the premise: pruned while the exports wait
         barrier.release()

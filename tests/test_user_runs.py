@@ -62,7 +62,7 @@ def test_a_damaged_warm_up_cache_is_redone_not_loaded(trained, tmp_path):
     shutil.copytree(trained / "warmup", tmp_path / "run" / "warmup")
     weights = tmp_path / "run" / "warmup" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    done = bapo_nemo("train", str(write_config(tmp_path, with_(train={"max_steps": 1}))), "--output-dir", "run",
+    done = bapo_nemo("train", str(write_config(tmp_path, with_(grpo={"max_num_steps": 1}))), "--output-dir", "run",
                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warmup is damaged (model/model.safetensors is truncated" in done.stderr and "redoing the warm-up" in done.stderr
@@ -132,8 +132,8 @@ def test_no_secret_in_any_file_the_run_writes_or_the_mlflow_store_holds(mlflow_s
     server's store (database and artifacts)."""
     port, server_root = mlflow_server
     uri = f"http://alice:{PASSWORD}@127.0.0.1:{port}"
-    cfg = write_config(tmp_path, with_(train={"max_steps": 2}, warmup={"steps": 1},
-                                       tracking={"tracking_uri": uri, "run_name": RUN_NAME_TOKEN}))
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 2}, warmup={"steps": 1},
+                                       logger={"mlflow": {"tracking_uri": uri, "run_name": RUN_NAME_TOKEN}}))
     env = {"BAPO_CONTAINER_IMAGE": f"https://bob:{REGISTRY_PASSWORD}@registry.example/bapo:1",
            "SLURM_JOB_NAME": SLURM_TOKEN,
            "MLFLOW_HTTP_REQUEST_TIMEOUT": "120"}  # a server on a loaded machine may take over the default 5 s
@@ -178,8 +178,8 @@ def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(t
     """`bapo-nemo train` in a real terminal (a pty, progress bar on), which is then closed: the kernel sends
     SIGHUP and every later write to the terminal fails. The run stops after the step, checkpoints, says so
     in train.log and marks the MLflow run KILLED; exit 0."""
-    cfg = write_config(tmp_path, with_(runtime={"progress": True}, train={"max_steps": 500},
-                                       checkpoint={"every": 100}, warmup={"steps": 1}))
+    cfg = write_config(tmp_path, with_(runtime={"progress": True}, grpo={"max_num_steps": 500},
+                                       checkpointing={"save_period": 100}, warmup={"steps": 1}))
     metrics = tmp_path / "out" / "metrics.jsonl"
     pid, terminal = pty.fork()
     if pid == 0:  # the child: a session leader whose controlling terminal is the pty
@@ -247,7 +247,7 @@ def test_a_full_disk_while_saving_the_trainer_state_says_so(small_disk, tmp_path
 
     data = with_(model={"hidden_size": 64, "intermediate_size": 256, "num_layers": 2, "num_heads": 2,
                         "num_kv_heads": 1},
-                 warmup={"steps": 1}, tracking={"tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+                 warmup={"steps": 1}, logger={"mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/m.db"}})
     cfg = write_config(tmp_path, data)
     weights = 4 * sum(p.numel() for p in build_model(load_config(cfg).model, load_tokenizer(), 0).parameters())
     disk = small_disk(3 * weights + weights // 2)
@@ -271,6 +271,6 @@ def test_resume_with_the_mlflow_store_deleted_names_the_file_and_creates_nothing
                      cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"the MLflow store {run / 'mlflow.db'} does not exist" in done.stderr
-    assert "restore the file from a copy, set tracking.tracking_uri" in done.stderr
+    assert "restore the file from a copy, set logger.mlflow.tracking_uri" in done.stderr
     assert "drop run_id" not in done.stderr and not (run / "mlflow.db").exists()
     assert not (run / "checkpoints" / "step_4").exists()

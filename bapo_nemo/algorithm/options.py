@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from bapo_nemo.algorithm.config import BAPOConfig, BAPOConfigError
-from bapo_nemo.config_errors import validation_lines
+from bapo_nemo.algorithm.config import BAPOConfig
 
 RatioReference = Literal["proximal", "behavior"]
 
@@ -28,19 +27,19 @@ RatioReference = Literal["proximal", "behavior"]
 ADAPTER_KEYS = ("ratio_reference", "step_bounds_sample")
 
 
-class NemoBAPOOptions(BaseModel):
-    """Everything BAPOLossFn reads from `loss_fn.bapo`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class BAPOBlock(BAPOConfig):
+    """The flat `loss_fn.bapo` block as one schema: BAPOConfig's keys and the adapter keys. The embedded
+    trainer's config holds it as is, so a block tuned on one machine pastes into a NeMo-RL config."""
 
     ratio_reference: RatioReference = Field(
         "behavior",
         description=(
-            "Log-probs the clipped ratio is taken against. proximal: NeMo-RL's prev_logprobs, recomputed "
-            "with the current weights at the start of every policy.train(); the ratio is 1 at the first "
-            "optimizer step of each rollout batch, so BAPO only acts with several optimizer steps per "
-            "rollout batch. behavior: generation_logprobs of the policy that sampled the tokens (vLLM); "
-            "the ratio carries all off-policyness (stale weights, FP8 generation), as in the paper."
+            "Log-probs the clipped ratio is taken against. proximal: log-probs recomputed with the current "
+            "weights at the start of every rollout batch's training (NeMo-RL's prev_logprobs); the ratio is "
+            "1 at the first optimizer step of each rollout batch, so BAPO only acts with several optimizer "
+            "steps per rollout batch. behavior: the log-probs of the policy that sampled the tokens (vLLM's "
+            "generation_logprobs); the ratio carries all off-policyness (stale weights, FP8 generation), as "
+            "in the paper."
         ),
     )
     step_bounds_sample: float = Field(
@@ -52,22 +51,35 @@ class NemoBAPOOptions(BaseModel):
             "of a rollout batch) over which the extra no-grad log-prob pass runs; the bounds searched on "
             "that sample clip the whole step. 1: the whole global batch (exact). 0: no extra pass, the "
             "bounds are searched on prev_logprobs (the weights at the start of the rollout batch). "
-            "docs/nemo_rl.md, 'Cheaper step-wide bounds', gives the measured distance to the exact search."
+            "docs/nemo_rl.md, 'Cheaper step-wide bounds', gives the measured distance to the exact search. "
+            "The embedded trainer's step-wide search is always exact: it takes 1 only."
         ),
     )
+
+    def algorithm(self) -> BAPOConfig:
+        """BAPOConfig's settings alone."""
+        return BAPOConfig(**self.model_dump(exclude=set(ADAPTER_KEYS)))
+
+
+class NemoBAPOOptions(BaseModel):
+    """Everything BAPOLossFn reads from `loss_fn.bapo`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ratio_reference: RatioReference = Field("behavior", description="See BAPOBlock.ratio_reference.")
+    step_bounds_sample: float = Field(1.0, ge=0.0, le=1.0, description="See BAPOBlock.step_bounds_sample.")
     bapo: BAPOConfig = Field(default_factory=BAPOConfig)
 
     @classmethod
     def parse(cls, block: dict[str, Any] | None, where: str = "loss_fn.bapo") -> NemoBAPOOptions:
-        """Split the flat YAML block into adapter options and BAPOConfig; errors name the full key."""
-        block = dict(block or {})
-        adapter = {k: block.pop(k) for k in ADAPTER_KEYS if k in block}
-        bapo = BAPOConfig.parse(block, where=where)  # raises BAPOConfigError naming `where.key`
-        try:
-            return cls(bapo=bapo, **adapter)
-        except ValidationError as exc:
-            lines = validation_lines(exc, where)
-            raise BAPOConfigError("invalid BAPO config:\n  " + "\n  ".join(lines)) from None
+        """Validate the flat YAML block (errors name the full key) and split it into adapter options and
+        BAPOConfig."""
+        parsed = BAPOBlock.parse(block, where=where)  # raises BAPOConfigError naming `where.key`
+        return cls(
+            ratio_reference=parsed.ratio_reference,
+            step_bounds_sample=parsed.step_bounds_sample,
+            bapo=parsed.algorithm(),
+        )
 
     def flat(self) -> dict[str, Any]:
         """The flat YAML form again (for logging and checkpoints)."""

@@ -1,24 +1,28 @@
 """The embedded trainer's run config: one pydantic schema (extra keys forbidden), loaded from YAML, with
-dotted command-line overrides (`loss.bapo.rho0=0.5`) checked against the schema.
+dotted command-line overrides (`loss_fn.bapo.rho0=0.5`) checked against the schema. Where a key means what
+a NeMo-RL v0.7.0 key means, it has that key's name and place (`grpo.max_num_steps`, `loss_fn.bapo`, ...);
+docs/embedded.md#config-keys maps every key. The names in use before are refused with a pointer to the
+new one (`config_keys.py`).
 
-Loss presets for experiments are plain settings of the `loss.bapo` block:
-  fixed clip [0.8, 1.2]     loss.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.2}
-  clip-higher [0.8, 1.28]   loss.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.28}
-  BAPO                      loss.bapo: {enabled: true, ...paper grids...}
+Loss presets for experiments are plain settings of the `loss_fn.bapo` block:
+  fixed clip [0.8, 1.2]     loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.2}
+  clip-higher [0.8, 1.28]   loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.28}
+  BAPO                      loss_fn.bapo: {enabled: true, ...paper grids...}
 """
 
 from __future__ import annotations
 
-import difflib
-import typing
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bapo_nemo.algorithm import BAPOConfig
+from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
+from bapo_nemo.config_kind import wrong_tool_for_nemo_rl
+from bapo_nemo.embedded import config_keys
 from bapo_nemo.rollout import PartialRolloutConfig
 
 
@@ -32,28 +36,67 @@ class _Section(BaseModel):
 
 
 class RuntimeConfig(_Section):
-    num_threads: int = Field(
-        1,
-        ge=1,
-        description="torch intra-op threads. 1 is fastest for the tiny model "
-        "on a shared machine (more threads spin-wait on busy cores).",
-    )
+    num_threads: int = Field(1, ge=1, description="torch intra-op threads. 1 is fastest for the tiny model "
+                             "on a shared machine (more threads spin-wait on busy cores).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu, or cuda for one GPU.")
-    autocast: Literal["none", "bf16"] = Field(
-        "none",
-        description="bf16: every model forward runs under torch.autocast(bfloat16) (log-probs in fp32).",
-    )
     progress: bool = Field(True, description="Show a progress bar.")
 
 
-class ModelConfig(_Section):
-    """A tiny Qwen2 built from a config (`Qwen2Config` + `Qwen2ForCausalLM`), or, with `pretrained`, any
-    causal LM and its tokenizer (`AutoModelForCausalLM` / `AutoTokenizer`; the size keys are then unused)."""
+class GRPOConfig(_Section):
+    """NeMo-RL's `grpo` keys the embedded loop has."""
 
-    pretrained: str | None = Field(
+    seed: int = 0
+    max_num_steps: int = Field(60, ge=0, description="RL steps (rollout batches).")
+    num_prompts_per_step: int = Field(8, ge=1, description="Complete prompt groups trained on per step.")
+    num_generations_per_prompt: int = Field(8, ge=2, description="Samples per prompt (GRPO group).")
+    val_period: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at start and end).")
+
+
+class DTensorConfig(_Section):
+    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
+                                           "(less memory, ~30% more compute).")
+
+
+class AdamWKwargs(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.99)
+
+
+class OptimizerConfig(_Section):
+    """torch.optim.AdamW (NeMo-RL's `policy.optimizer: {name: torch.optim.AdamW, kwargs: ...}`)."""
+
+    kwargs: AdamWKwargs = Field(default_factory=AdamWKwargs)
+
+
+class GenerationConfig(_Section):
+    temperature: float = Field(1.0, gt=0)
+
+
+class PolicyConfig(_Section):
+    """NeMo-RL's `policy` keys the embedded trainer has."""
+
+    model_name: str | None = Field(
         None,
-        description="Local HF model directory or hub id (hub ids need the network); null: the tiny Qwen2.",
+        description="Any causal LM and its tokenizer (AutoModelForCausalLM / AutoTokenizer): a local HF "
+        "model directory or a hub id (hub ids need the network); null: the tiny Qwen2 of `model`.",
     )
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="bfloat16: every model forward runs under torch.autocast(bfloat16) (weights stay in "
+        "model.dtype, log-probs and the loss in fp32).",
+    )
+    train_micro_batch_size: int = Field(32, ge=1, description="Most sequences per forward/backward (sorted).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Max global grad norm.")
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+
+class ModelConfig(_Section):
+    """The weights' dtype, and the size of the tiny Qwen2 built from a config (`Qwen2Config` +
+    `Qwen2ForCausalLM`) when `policy.model_name` is null (the size keys are then used)."""
+
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)
@@ -65,23 +108,18 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+        h, heads, kv = self.hidden_size, self.num_heads, self.num_kv_heads
+        if h % heads:
+            raise ValueError(f"hidden_size={h} must be a multiple of num_heads={heads}")
+        if heads % kv:
+            raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv}")
         return self
 
 
 class TaskConfig(_Section):
     """Bundled multi-step arithmetic (generated with a seed) or tasks from JSONL files."""
 
-    train_file: str | None = Field(
-        None, description="JSONL of {question, answer[, solution]}; null: generate."
-    )
+    train_file: str | None = Field(None, description="JSONL: {question, answer[, solution]}; null: generated")
     eval_file: str | None = Field(None, description="JSONL held-out set; null: generate eval_size tasks.")
     min_ops: int = Field(1, ge=1, description="Fewest operations (steps) per generated task.")
     max_ops: int = Field(12, ge=1, description="Most operations per generated task.")
@@ -99,30 +137,48 @@ class TaskConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
-    """Your own prompts and reference answers from local Hugging Face `datasets` files (parquet, JSON/JSONL,
-    CSV, arrow, or a directory); used instead of `task` when `train_path` is set."""
+class DatasetConfig(_Section):
+    data_path: str | None = Field(None, description="A .parquet/.json/.jsonl/.csv/.arrow file or directory.")
+    split: str = Field("train", description="Split to read (sources with several splits).")
 
-    train_path: str | None = Field(None, description="Training prompts; null: the `task` section's tasks.")
-    eval_path: str | None = Field(
-        None, description="Held-out prompts; null: hold out eval_size training rows."
+
+class ColumnsConfig(_Section):
+    input_key: str | None = Field(None, description="Prompt column; null: question, or prompt (TRL's name).")
+    output_key: str = Field("answer", description="Column holding the reference answer.")
+
+
+class DataConfig(_Section):
+    """Your own prompts and reference answers from local Hugging Face `datasets` files; used instead of
+    `task` when `train.data_path` is set."""
+
+    train: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Training prompts; data_path null: the `task` section's."
     )
-    split: str = Field("train", description="Split of train_path to read (sources with several splits).")
-    eval_split: str = Field("train", description="Split of eval_path to read.")
-    prompt_field: str = Field("question", description="Column holding the prompt.")
-    answer_field: str = Field("answer", description="Column holding the reference answer.")
+    validation: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Held-out prompts; data_path null: eval_size rows of train"
+    )
+    default: ColumnsConfig = Field(default_factory=ColumnsConfig, description="Columns of both sources.")
     solution_field: str | None = Field(None, description="Column with reference solutions (for the warm-up).")
     prompt_template: str = Field("{prompt}", description='Each prompt is this text with "{prompt}" replaced.')
-    eval_size: int = Field(64, ge=1, description="Rows held out from train_path when eval_path is null.")
-    reward: Literal["math_verify", "arithmetic"] = Field(
-        "math_verify", description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'."
+    eval_size: int = Field(64, ge=1, description="Rows held out from train without validation.data_path.")
+    reward: str = Field(
+        "math_verify",
+        description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'. module:function: "
+        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/rewards.py).",
     )
     overlong_prompts: Literal["skip", "truncate"] = Field(
         "skip",
-        description="Prompts longer than the context window minus rollout.partial.max_response_tokens: "
+        description="Prompts longer than the context window minus partial_rollouts.max_response_tokens: "
         "skip them (counted in a warning) or keep their last tokens.",
     )
     max_bad_fraction: float = Field(0.1, ge=0, le=1, description="Most malformed rows tolerated.")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_named(cls, v: str) -> str:
+        if not re.fullmatch(r"math_verify|arithmetic|[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"{v!r} is not a reward: use math_verify, arithmetic or module:function")
+        return v
 
     @field_validator("prompt_template", mode="before")
     @classmethod
@@ -143,45 +199,13 @@ class WarmupConfig(_Section):
     steps: int = Field(300, ge=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
-    step_error_rate: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Generated demonstrations: probability that a step's result is off by "
-        "1-2 (the chain continues from it). Imperfect demonstrations leave errors for RL to remove.",
-    )
-    loop_rate: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Generated demonstrations: probability that one gets stuck repeating a step until "
-        "rollout.partial.max_response_tokens, with no answer. Failing rollouts then run long, as wrong "
-        "long chain-of-thought answers do: negative tokens outnumber positive ones.",
-    )
-
-
-class RolloutConfig(_Section):
-    group_size: int = Field(8, ge=2, description="Samples per prompt (GRPO group).")
-    prompts_per_step: int = Field(8, ge=1, description="Complete prompt groups trained on per step.")
-    temperature: float = Field(1.0, gt=0)
-    partial: PartialRolloutConfig = Field(
-        default_factory=lambda: PartialRolloutConfig(
-            token_budget=32, max_resumptions=4, max_response_tokens=112, max_in_flight_groups=16
-        ),
-        description="Partial rollouts (bapo_nemo.rollout). token_budget >= max_response_tokens disables "
-        "them; max_in_flight_groups (default 2 x prompts_per_step) bounds the prompts started ahead.",
-    )
-
-    @model_validator(mode="after")
-    def _in_flight_fits(self) -> RolloutConfig:
-        in_flight = self.partial.max_in_flight_groups
-        if in_flight is not None and in_flight < self.prompts_per_step:
-            raise ValueError(
-                f"partial.max_in_flight_groups={in_flight} must be >= prompts_per_step={self.prompts_per_step}"
-            )
-        if self.partial.max_response_tokens is None:
-            raise ValueError("partial.max_response_tokens must be set (the model has a fixed context length)")
-        return self
+    step_error_rate: float = Field(0.0, ge=0, lt=1, description="Generated demonstrations: probability "
+                                   "that a step's result is off by 1-2 (the chain continues from it). "
+                                   "Imperfect demonstrations leave errors for RL to remove.")
+    loop_rate: float = Field(0.0, ge=0, lt=1, description="Generated demonstrations: probability that one "
+                             "gets stuck repeating a step until partial_rollouts.max_response_tokens, with "
+                             "no answer. Failing rollouts then run long, as wrong long chain-of-thought "
+                             "answers do: negative tokens outnumber positive ones.")
 
 
 class ReplayConfig(_Section):
@@ -192,84 +216,106 @@ class ReplayConfig(_Section):
     max_staleness: int = Field(4, ge=0, description="In optimizer updates.")
 
 
-class LossConfig(_Section):
-    bapo: BAPOConfig = Field(default_factory=BAPOConfig)
-    ratio_reference: Literal["behavior", "proximal"] = Field(
-        "behavior",
-        description="behavior: r = pi_theta / pi_gen (generation log-probs). proximal: r = pi_theta / "
-        "pi_prox, pi_prox recomputed at the start of each rollout batch, and the behaviour gap "
-        "pi_prox / pi_gen applied as a truncated importance weight (NeMo-RL's split).",
+class LossFnConfig(_Section):
+    bapo: BAPOBlock = Field(default_factory=BAPOBlock, description="The same block as a NeMo-RL config's.")
+    truncated_importance_sampling_ratio: float = Field(
+        2.0, gt=0, description="bapo.ratio_reference=proximal: cap of the importance weight pi_prox / pi_gen."
     )
-    behavior_weight_cap: float = Field(2.0, gt=0, description="proximal only: truncation of pi_prox/pi_gen.")
+
+    @field_validator("bapo")
+    @classmethod
+    def _step_search_exact(cls, bapo: BAPOBlock) -> BAPOBlock:
+        # Refused rather than ignored: a sampled search here would not be the one the value asks for.
+        if bapo.step_bounds_sample != 1:
+            raise ValueError(
+                f"step_bounds_sample={bapo.step_bounds_sample:g} is for NeMo-RL runs (a sampled extra log-prob "
+                "pass); the embedded trainer's step-wide search is always exact: set 1 or leave it out"
+            )
+        return bapo
+
+
+class LossConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus (the paper uses none).")
 
 
-class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.99, ge=0, lt=1)
-    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
-
-
 class TrainConfig(_Section):
-    max_steps: int = Field(60, ge=0, description="RL steps (rollout batches).")
     updates_per_batch: int = Field(2, ge=1, description="Optimizer updates per rollout batch (staleness).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (length-sorted).")
     step_search_graph_tokens: int = Field(
-        65536,
-        ge=0,
-        description="bapo.granularity=step: up to this many tokens in a mini-batch, keep the micro-batches' "
-        "autograd graphs until the bounds are known instead of running an extra no-grad forward (0: never).",
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass (less memory, ~30% more compute)."
+        65536, ge=0, description="bapo.granularity=step: up to this many tokens in a mini-batch, keep the "
+        "micro-batches' autograd graphs until the bounds are known, not an extra no-grad forward (0: never).",
     )
 
 
 class EvalConfig(_Section):
-    every: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at start and end).")
     k: int = Field(4, ge=1, description="Samples per held-out prompt: avg@k and pass@k.")
 
 
-class CheckpointConfig(_Section):
-    every: int = Field(10, ge=1)
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept (older ones are deleted).")
+class CheckpointingConfig(_Section):
+    save_period: int = Field(10, ge=1, description="Checkpoint every N steps (and at the end and on a stop).")
+    keep_top_k: int = Field(2, ge=1, description="The newest complete checkpoints kept (older ones deleted).")
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str | None = Field(None, description="null: sqlite:///<output_dir>/mlflow.db")
+    experiment_name: str = "bapo-embedded"
+    run_name: str | None = Field(None, description="null: the output directory's name.")
+
+
+class LoggerConfig(_Section):
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
 
 
 class TrackingConfig(_Section):
-    tracking_uri: str | None = Field(None, description="null: sqlite:///<output_dir>/mlflow.db")
-    experiment_name: str = "bapo-embedded"
-    run_name: str | None = None
     samples_every: int = Field(10, ge=1, description="Log a table of sample generations every N steps.")
     num_samples: int = Field(8, ge=1)
 
 
 class RunConfig(_Section):
-    seed: int = 0
+    """NeMo-RL's sections and names where a key means the same as there (docs/embedded.md#config-keys),
+    then the embedded trainer's own sections."""
+
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    loss_fn: LossFnConfig = Field(default_factory=LossFnConfig)
+    partial_rollouts: PartialRolloutConfig = Field(
+        default_factory=lambda: PartialRolloutConfig(
+            token_budget=32, max_resumptions=4, max_response_tokens=112, max_in_flight_groups=16
+        ),
+        description="Partial rollouts (bapo_nemo.rollout), the same block as a NeMo-RL config's. "
+        "token_budget >= max_response_tokens disables them; max_in_flight_groups (default 2 x "
+        "grpo.num_prompts_per_step) bounds the prompts started ahead.",
+    )
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _lengths_fit_the_model(self) -> RunConfig:
-        if self.model.pretrained is not None or self.data.train_path is not None:
+    def _rollouts_fit(self) -> RunConfig:
+        partial, per_step = self.partial_rollouts, self.grpo.num_prompts_per_step
+        if partial.max_in_flight_groups is not None and partial.max_in_flight_groups < per_step:
+            raise ValueError(
+                f"partial_rollouts.max_in_flight_groups={partial.max_in_flight_groups} must be >= "
+                f"grpo.num_prompts_per_step={per_step}"
+            )
+        if partial.max_response_tokens is None:
+            raise ValueError(
+                "partial_rollouts.max_response_tokens must be set (the model has a fixed context length)"
+            )
+        if self.policy.model_name is not None or self.data.train.data_path is not None:
             return self  # checked at set-up against the model's context window and the tokenized prompts
         longest_prompt = 2 + (2 + 1) * self.task.max_ops + 2  # BOS + "dd" + ("+d") * ops + "?" (generous)
-        need = longest_prompt + self.rollout.partial.max_response_tokens
-        if need > self.model.max_position_embeddings:
+        if longest_prompt + partial.max_response_tokens > self.model.max_position_embeddings:
             raise ValueError(
-                f"rollout.partial.max_response_tokens={self.rollout.partial.max_response_tokens} plus the longest "
+                f"partial_rollouts.max_response_tokens={partial.max_response_tokens} plus the longest "
                 f"prompt (~{longest_prompt} tokens) exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}: lower the former or raise the latter"
             )
@@ -282,9 +328,10 @@ class RunConfig(_Section):
 # Keys that may differ between a checkpoint and the resumed run: they change how long or how visibly the
 # run goes, not what it computes.
 RESUME_HARMLESS_KEYS = (
-    "train.max_steps",
-    "checkpoint.",
-    "eval.every",
+    "grpo.max_num_steps",
+    "checkpointing.",
+    "grpo.val_period",
+    "logger.",
     "tracking.",
     "runtime.",
 )
@@ -314,9 +361,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 f"{path} is empty: start from a shipped config (cp configs/local_cpu.yaml {path}) and edit it"
             )
         if not isinstance(data, dict):
-            raise RunConfigError(f"{path}: the top level must be a mapping of sections (model:, loss:, ...)")
+            raise RunConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
+        if (wrong_tool := wrong_tool_for_nemo_rl(str(path), data)) is not None:
+            raise RunConfigError(wrong_tool)
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
-    # required by its own schema (e.g. rollout.partial.max_response_tokens alone).
+    # required by its own schema (e.g. partial_rollouts.max_response_tokens alone).
     data = _deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
@@ -334,22 +383,33 @@ def _deep_merge(base: dict, update: dict) -> dict:
 
 
 def validate_config(data: dict, where: str = "<config>") -> RunConfig:
+    renamed = config_keys.old_keys(data)
+    if renamed:
+        lines = [*renamed, f"({config_keys.DOCS})"]
+        raise RunConfigError(f"invalid run config {where}:\n  " + "\n  ".join(lines))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        lines = validation_lines(exc, unknown_key=lambda key: "unknown key" + _did_you_mean(key))
+        lines = validation_lines(
+            exc, unknown_key=lambda key: "unknown key" + config_keys.did_you_mean(RunConfig, key)
+        )
         raise RunConfigError(f"invalid run config {where}:\n  " + "\n  ".join(lines)) from None
 
 
 def apply_override(data: dict, item: str) -> None:
     """Apply one `a.b.c=value` override (value parsed as YAML) after checking the key exists."""
     if "=" not in item:
-        raise RunConfigError(f"override {item!r} must look like key.sub=value (e.g. loss.bapo.rho0=0.5)")
+        raise RunConfigError(f"override {item!r} must look like key.sub=value (e.g. loss_fn.bapo.rho0=0.5)")
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
-    if not _schema_has(parts):
-        raise RunConfigError(f"unknown config key {key!r} in override {item!r}" + _did_you_mean(key))
+    if not config_keys.schema_has(RunConfig, parts):
+        renamed = config_keys.renamed_message(key)
+        if renamed is not None:
+            raise RunConfigError(f"override {item!r}: {renamed} ({config_keys.DOCS})")
+        raise RunConfigError(
+            f"unknown config key {key!r} in override {item!r}" + config_keys.did_you_mean(RunConfig, key)
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -360,61 +420,6 @@ def apply_override(data: dict, item: str) -> None:
             node[p] = {}
         node = node[p]
     node[parts[-1]] = value
-
-
-def all_keys() -> list[str]:
-    """Every dotted key of the schema, leaves and sections."""
-    out: list[str] = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            out.append(prefix + name)
-            sub = _submodel(field.annotation)
-            if sub is not None:
-                walk(sub, prefix + name + ".")
-
-    walk(RunConfig, "")
-    return out
-
-
-def _submodel(annotation) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
-
-
-def _schema_has(parts: list[str]) -> bool:
-    model: type[BaseModel] | None = RunConfig
-    for i, p in enumerate(parts):
-        if model is None or p not in model.model_fields:
-            return False
-        model = _submodel(model.model_fields[p].annotation)
-    return True
-
-
-def _did_you_mean(key: str) -> str:
-    """Close matches among all schema keys: by full dotted path, then by the last component."""
-    keys = all_keys()
-    leaf = key.rsplit(".", 1)[-1]
-    leaves: dict[str, list[str]] = {}
-    for k in keys:
-        leaves.setdefault(k.rsplit(".", 1)[-1], []).append(k)
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
-    for near_leaf in difflib.get_close_matches(leaf, list(leaves), n=3, cutoff=0.7):
-        close += leaves[near_leaf]
-    close = list(dict.fromkeys(close))[:5]
-    section = key.rsplit(".", 1)[0] if "." in key else ""
-    siblings = [
-        k for k in keys if section and k.startswith(section + ".") and "." not in k[len(section) + 1 :]
-    ]
-    if not close and siblings:
-        return f"; did you mean one of: {', '.join(siblings)}?"
-    if not close:
-        return f"; valid sections: {', '.join(RunConfig.model_fields)}"
-    return f"; did you mean: {', '.join(close)}?"
 
 
 # ---- comparing a checkpoint's config with this run's -----------------------------------------------------
@@ -435,10 +440,11 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     (absent there) compares as its default: a code update between two requeues does not block resume
     unless the run sets that key to something else.
     """
+    saved = config_keys.upgrade(saved)  # a checkpoint written before the keys took NeMo-RL's names
     try:
-        saved = RunConfig.model_validate(saved).to_dict()
+        saved = RunConfig.model_validate(_deep_merge(RunConfig().to_dict(), saved)).to_dict()
     except ValidationError:
-        pass  # a key was removed or renamed since: compare as written, the message names it
+        pass  # a key was removed since: compare as written, the message names it
     a, b = flatten(saved), flatten(current)
     diffs = []
     for key in sorted(set(a) | set(b)):

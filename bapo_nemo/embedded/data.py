@@ -5,11 +5,11 @@ prompts that do not fit the context window, and the math-verify reward.
 
 A source is a file (.parquet, .json, .jsonl, .csv, .arrow) or a directory (written by
 `Dataset.save_to_disk`, or holding data files of one of those kinds: a mix is refused, since `datasets`
-would read only the most common kind; the files read are logged). `data.prompt_field` and
-`data.answer_field` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is replaced).
-Malformed rows (missing or empty fields, an answer the reward can never match, text the tokenizer cannot
-represent) are skipped and counted with their row numbers; more than `data.max_bad_fraction` of them is an
-error naming the file.
+would read only the most common kind; the files read are logged). `data.default.input_key` and
+`data.default.output_key` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is
+replaced). Malformed rows (missing or empty fields, an answer the reward can never match, text the
+tokenizer cannot represent) are skipped and counted with their row numbers; more than
+`data.max_bad_fraction` of them is an error naming the file.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ class DataError(TaskFileError):
 
 def load_data(data_cfg, seed: int, row_problem: Callable[[Task], str | None] | None = None
               ) -> tuple[list[Task], list[Task]]:
-    """Training and held-out tasks. Without `data.eval_path`, `data.eval_size` rows of the training
-    source are held out (a seeded draw) and never trained on. `row_problem(task)` says what else makes a
-    row unusable (e.g. `unrepresentable_text`); such rows count as malformed."""
-    train = load_tasks(data_cfg.train_path, data_cfg, data_cfg.split, "train_path", row_problem)
-    if data_cfg.eval_path:
-        held_out = load_tasks(data_cfg.eval_path, data_cfg, data_cfg.eval_split, "eval_path", row_problem)
+    """Training and held-out tasks. Without `data.validation.data_path`, `data.eval_size` rows of the
+    training source are held out (a seeded draw) and never trained on. `row_problem(task)` says what else
+    makes a row unusable (e.g. `unrepresentable_text`); such rows count as malformed."""
+    train = load_tasks(data_cfg.train.data_path, data_cfg, data_cfg.train.split, "train.data_path", row_problem)
+    if data_cfg.validation.data_path:
+        held_out = load_tasks(data_cfg.validation.data_path, data_cfg, data_cfg.validation.split,
+                              "validation.data_path", row_problem)
         return train, held_out
     return split_held_out(train, data_cfg.eval_size, seed)
 
@@ -53,7 +54,7 @@ def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[T
     if eval_size >= len(tasks):
         raise DataError(
             f"data.eval_size={eval_size} leaves no training rows (the source has {len(tasks)} usable rows): "
-            "lower data.eval_size or set data.eval_path"
+            "lower data.eval_size or set data.validation.data_path"
         )
     picked = random.Random(seed).sample(range(len(tasks)), eval_size)
     held_out = [tasks[i] for i in sorted(picked)]
@@ -65,10 +66,12 @@ def load_tasks(path: str, data_cfg, split: str, key: str,
                row_problem: Callable[[Task], str | None] | None = None) -> list[Task]:
     """Tasks from one source, fields mapped by `data_cfg`; `key` names the config key in messages."""
     rows = _read_rows(Path(path), split, key)
-    fields = {"data.prompt_field": data_cfg.prompt_field, "data.answer_field": data_cfg.answer_field}
+    columns = list(rows.column_names)
+    data_cfg = _with_prompt_column(data_cfg, columns)
+    fields = {"data.default.input_key": data_cfg.default.input_key,
+              "data.default.output_key": data_cfg.default.output_key}
     if data_cfg.solution_field:
         fields["data.solution_field"] = data_cfg.solution_field
-    columns = list(rows.column_names)
     for name, column in fields.items():
         if column not in columns:
             raise DataError(
@@ -93,6 +96,14 @@ def load_tasks(path: str, data_cfg, split: str, key: str,
     if not tasks:
         raise DataError(f"{path} holds no usable rows")
     return tasks
+
+
+def _with_prompt_column(data_cfg, columns: list[str]):
+    """`data.default.input_key` null: the source's `question` column, else TRL's `prompt`."""
+    if data_cfg.default.input_key is not None:
+        return data_cfg
+    column = next((c for c in ("question", "prompt") if c in columns), "question or prompt")
+    return data_cfg.model_copy(update={"default": data_cfg.default.model_copy(update={"input_key": column})})
 
 
 def _read_rows(path: Path, split: str, key: str):
@@ -126,7 +137,8 @@ def _read_rows(path: Path, split: str, key: str):
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(
-                f"data.{key}: {path} has no split {split!r} (it has {list(loaded)}); set data.split / data.eval_split"
+                f"data.{key}: {path} has no split {split!r} (it has {list(loaded)}); "
+                "set data.train.split / data.validation.split"
             )
         loaded = loaded[split]
     return loaded
@@ -154,13 +166,13 @@ def _one_kind_of_data_files(path: Path, key: str) -> None:
 
 def _check_row(row: dict, data_cfg):
     """(prompt, answer, solution) or a string saying what is wrong with the row."""
-    prompt, answer = row.get(data_cfg.prompt_field), row.get(data_cfg.answer_field)
+    prompt, answer = row.get(data_cfg.default.input_key), row.get(data_cfg.default.output_key)
     if not isinstance(prompt, str) or not prompt.strip():
-        return f"{data_cfg.prompt_field!r} is not a non-empty string"
+        return f"{data_cfg.default.input_key!r} is not a non-empty string"
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
-        return f"{data_cfg.answer_field!r} is empty or not a string/number"
+        return f"{data_cfg.default.output_key!r} is empty or not a string/number"
     if data_cfg.reward == "arithmetic" and unscorable_answer(answer.strip()):
         return unscorable_answer(answer.strip())
     solution = row.get(data_cfg.solution_field) if data_cfg.solution_field else None
@@ -177,7 +189,7 @@ def _report_bad_rows(path, bad: list[tuple[int, str]], rows: int, max_bad_fracti
     if len(bad) / max(rows, 1) > max_bad_fraction:
         raise DataError(
             f"{message}; that is more than data.max_bad_fraction={max_bad_fraction}. Fix the rows, map other "
-            "columns with data.prompt_field / data.answer_field, or raise data.max_bad_fraction."
+            "columns with data.default.input_key / data.default.output_key, or raise data.max_bad_fraction."
         )
     warnings.warn(message, stacklevel=3)
 
@@ -197,7 +209,7 @@ def unrepresentable_text(tokenizer, prompt_template: str) -> Callable[[Task], st
     if in_template:
         raise DataError(
             f"data.prompt_template has characters the tokenizer cannot represent ({in_template!r} would become "
-            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (model.pretrained), or a template "
+            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (policy.model_name), or a template "
             "without them"
         )
 
@@ -224,7 +236,7 @@ def fit_prompts(tasks: list[Task], encode, max_prompt_tokens: int, mode: str, wh
     if not kept:
         raise DataError(
             f"every {what} prompt is longer than {max_prompt_tokens} tokens (the context window minus "
-            "rollout.partial.max_response_tokens): lower the latter, or set data.overlong_prompts=truncate"
+            "partial_rollouts.max_response_tokens): lower the latter, or set data.overlong_prompts=truncate"
         )
     if skipped:
         shown = ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")

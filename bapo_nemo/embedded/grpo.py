@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bapo_nemo.algorithm import bapo_policy_loss, importance_ratio, search_clip_bounds
+from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, importance_ratio, search_clip_bounds
 from bapo_nemo.embedded.model import token_logprobs_and_entropy
 from bapo_nemo.rollout import RolloutGroup
 
@@ -128,10 +128,11 @@ def policy_update(
     batch: TokenBatch,
     old_logprobs: torch.Tensor,
     importance_weights: torch.Tensor,
-    loss_cfg,
+    bapo: BAPOConfig,
     micro_batch_size: int,
     grad_clip: float,
     step_search_graph_tokens: int = 0,
+    entropy_coef: float = 0.0,
 ) -> dict[str, float]:
     """One optimizer step on `batch` (one mini-batch). The ratio is taken against `old_logprobs`.
 
@@ -140,7 +141,6 @@ def policy_update(
     and keep their graphs (activation memory of the whole mini-batch, no extra compute); above it, an
     extra no-grad forward of the mini-batch runs first. microbatch: one search inside each loss call.
     """
-    bapo = loss_cfg.bapo
     n_tokens = batch.mask.sum().clamp_min(1.0)
     micro_batches = length_sorted_micro_batches(batch, micro_batch_size)
     model.train()
@@ -181,8 +181,8 @@ def policy_update(
             importance_weights=importance_weights[rows][:, :width],
         )
         masked_entropy = (entropy * micro.mask).sum()
-        if loss_cfg.entropy_coef:
-            loss = loss - loss_cfg.entropy_coef * masked_entropy / n_tokens
+        if entropy_coef:
+            loss = loss - entropy_coef * masked_entropy / n_tokens
         loss.backward()
         entropy_sum += float(masked_entropy.detach())
         share = float(micro.mask.sum()) / float(n_tokens)  # token-weighted mean over micro-batches

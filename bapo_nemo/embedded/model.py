@@ -1,5 +1,5 @@
 """The policy: the tiny Qwen2-architecture model built from a config (no download), or any pretrained
-causal LM (`model.pretrained`), and how it is placed on its device (dtype, bf16 autocast, gradient
+causal LM (`policy.model_name`), and how it is placed on its device (dtype, bf16 autocast, gradient
 checkpointing)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelLoadError(ValueError):
-    """`model.pretrained` does not name a loadable causal LM; the message says what was found."""
+    """`policy.model_name` does not name a loadable causal LM; the message says what was found."""
 
 
 def load_pretrained(name: str, dtype: str):
@@ -71,7 +71,7 @@ def load_pretrained(name: str, dtype: str):
     path = Path(name).expanduser()
     if path.exists() and not (path / "config.json").is_file():
         raise ModelLoadError(
-            f"model.pretrained={name!r}: {path} is not a model directory (no config.json); point it at a "
+            f"policy.model_name={name!r}: {path} is not a model directory (no config.json); point it at a "
             "directory written by save_pretrained, or a hub id"
         )
     try:
@@ -79,20 +79,20 @@ def load_pretrained(name: str, dtype: str):
     except (OSError, ValueError) as exc:
         where = "the local directory" if path.exists() else "the hub (is the network reachable?)"
         raise ModelLoadError(
-            f"model.pretrained={name!r}: cannot load a causal LM from {where}: {str(exc).splitlines()[0]}"
+            f"policy.model_name={name!r}: cannot load a causal LM from {where}: {str(exc).splitlines()[0]}"
         ) from None
 
 
-def prepare_model(model, device: torch.device, dtype: str, autocast: str, gradient_checkpointing: bool):
+def prepare_model(model, device: torch.device, dtype: str, precision: str, gradient_checkpointing: bool):
     """Move `model` to `device` and `dtype`, then: grouped-query attention without repeated KV heads
-    (`use_gqa_sdpa`), gradient checkpointing (activations recomputed in the backward pass) and bf16
-    autocast around `forward` (the callers take fp32 log-probs of the logits). Applied again to every copy
-    loaded from disk (resume, warm-up cache): none of these is saved with it."""
+    (`use_gqa_sdpa`), gradient checkpointing (activations recomputed in the backward pass) and, with
+    precision bfloat16, bf16 autocast around `forward` (the callers take fp32 log-probs of the logits).
+    Applied again to every copy loaded from disk (resume, warm-up cache): none of these is saved with it."""
     model = model.to(device=device, dtype=DTYPES[dtype])
     use_gqa_sdpa(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if autocast == "bf16":
+    if precision == "bfloat16":
         forward = model.forward
 
         @functools.wraps(forward)
@@ -105,7 +105,7 @@ def prepare_model(model, device: torch.device, dtype: str, autocast: str, gradie
 
 
 def load_pretrained_tokenizer(name: str):
-    """`AutoTokenizer.from_pretrained(name)` (the tokenizer of `model.pretrained`), left-padded. A tokenizer
+    """`AutoTokenizer.from_pretrained(name)` (the tokenizer of `policy.model_name`), left-padded. A tokenizer
     without a pad token pads with its EOS token (padding is always masked out); one without either is
     an error."""
     from transformers import AutoTokenizer
@@ -114,16 +114,17 @@ def load_pretrained_tokenizer(name: str):
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
-            f"model.pretrained={name!r}: cannot load its tokenizer: {str(exc).splitlines()[0]}"
+            f"policy.model_name={name!r}: cannot load its tokenizer: {str(exc).splitlines()[0]}"
         ) from None
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(
-            f"model.pretrained={name!r}: the tokenizer has no EOS token, so responses cannot end; "
+            f"policy.model_name={name!r}: the tokenizer has no EOS token, so responses cannot end; "
             "set eos_token in its tokenizer_config.json"
         )
     if tokenizer.pad_token_id is None:
         print(
-            f"model.pretrained={name!r}: the tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}"
+            f"policy.model_name={name!r}: the tokenizer has no pad token; padding with EOS "
+            f"{tokenizer.eos_token!r}"
         )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -136,13 +137,13 @@ def check_tokenizer_fits(model, tokenizer, name: str) -> None:
     it produces has a row in the model's embedding (else an IndexError in the first forward)."""
     if not tokenizer.encode("1 + 2 = 3", add_special_tokens=False):
         raise ModelLoadError(
-            f"model.pretrained={name!r}: its tokenizer encodes text as nothing (no tokenizer files in {name}?): "
+            f"policy.model_name={name!r}: its tokenizer encodes text as nothing (no tokenizer files in {name}?): "
             "save the model's tokenizer beside it with tokenizer.save_pretrained(...)"
         )
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise ModelLoadError(
-            f"model.pretrained={name!r}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"policy.model_name={name!r}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
             f"{rows} rows, so tokens {rows} and up have none: use the tokenizer the model was trained with, or "
             "resize the model (model.resize_token_embeddings(len(tokenizer))) and save it again"
         )

@@ -2,7 +2,7 @@
 
     rollout -> reward -> advantage -> BAPO update
 
-`rl_step(learner)` takes `rollout.prompts_per_step` complete prompt groups from the partial-rollout
+`rl_step(learner)` takes `grpo.num_prompts_per_step` complete prompt groups from the partial-rollout
 manager (unfinished responses stay in flight for the next step), adds replayed groups, scores every
 response, turns the rewards into GRPO advantages, and runs `train.updates_per_batch` BAPO updates. It
 returns what happened (`StepOutcome`); logging, evaluation and checkpoints are the trainer's business.
@@ -69,7 +69,7 @@ def rl_step(learner: Learner) -> StepOutcome:
     t_start, cpu_start = time.perf_counter(), time.process_time()
 
     # 1. rollout: complete groups only; replayed groups join the batch
-    groups, generated = collect_groups(learner, cfg.rollout.prompts_per_step)
+    groups, generated = collect_groups(learner, cfg.grpo.num_prompts_per_step)
     rollout_stats = learner.manager.stats(learner.version)
     t_generated = time.perf_counter()
     replayed = (
@@ -111,7 +111,7 @@ def collect_groups(learner: Learner, n_groups: int) -> tuple[list[RolloutGroup],
     """`n_groups` complete groups (those finished in earlier steps first), starting new prompts up to the
     in-flight cap. Returns the groups and the number of tokens generated for them."""
     cfg, manager = learner.cfg, learner.manager
-    in_flight_cap = cfg.rollout.partial.max_in_flight_groups or 2 * cfg.rollout.prompts_per_step
+    in_flight_cap = cfg.partial_rollouts.max_in_flight_groups or 2 * cfg.grpo.num_prompts_per_step
     groups, generated = manager.take_completed(learner.version, n_groups), 0
     while len(groups) < n_groups:
         queued = manager.num_pending + manager.num_in_flight + manager.num_completed
@@ -136,17 +136,19 @@ def bapo_updates(learner: Learner, batch: TokenBatch, n_groups: int) -> tuple[li
     # the ratio's reference: behaviour log-probs, or proximal ones recomputed now (then the behaviour gap
     # pi_prox / pi_gen enters as a truncated importance weight)
     weights = batch.loss_weights
-    if cfg.loss.ratio_reference == "proximal":
-        old = forward_logprobs(learner.model, batch, cfg.train.micro_batch_size)
+    if cfg.loss_fn.bapo.ratio_reference == "proximal":
+        old = forward_logprobs(learner.model, batch, cfg.policy.train_micro_batch_size)
         gap = torch.exp(torch.clamp(old - batch.behavior_logprobs, -20, 20))
-        weights = weights * torch.clamp(gap, max=cfg.loss.behavior_weight_cap) * batch.mask
+        cap = cfg.loss_fn.truncated_importance_sampling_ratio
+        weights = weights * torch.clamp(gap, max=cap) * batch.mask
     else:
         old = batch.behavior_logprobs
     staleness = ((learner.version - batch.token_versions) * batch.mask).sum() / batch.mask.sum().clamp_min(1)
 
     updates = []
     n_updates = min(cfg.train.updates_per_batch, n_groups)
-    for rows in split_minibatches(len(batch), n_updates, cfg.rollout.group_size, learner.shuffle_gen):
+    group_size = cfg.grpo.num_generations_per_prompt
+    for rows in split_minibatches(len(batch), n_updates, group_size, learner.shuffle_gen):
         mb = batch.select(rows)
         width = mb.mask.shape[1]
         updates.append(
@@ -156,10 +158,11 @@ def bapo_updates(learner: Learner, batch: TokenBatch, n_groups: int) -> tuple[li
                 mb,
                 old[rows][:, :width],
                 weights[rows][:, :width],
-                cfg.loss,
-                cfg.train.micro_batch_size,
-                cfg.optim.grad_clip,
+                cfg.loss_fn.bapo,
+                cfg.policy.train_micro_batch_size,
+                cfg.policy.max_grad_norm,
                 cfg.train.step_search_graph_tokens,
+                cfg.loss.entropy_coef,
             )
         )
         learner.version += 1
@@ -178,7 +181,7 @@ def _generate_fn(learner: Learner) -> Callable[[list[list[int]], int], list[Gene
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
             learner.sample_gen,
-            learner.cfg.rollout.temperature,
+            learner.cfg.policy.generation.temperature,
         )
         return [GenerationChunk(o.token_ids, o.logprobs, o.finished) for o in outs]
 

@@ -3,7 +3,7 @@ fresh, a skipped checkpoint, stopping on a signal), appended to `<output_dir>/tr
 jobs without a progress bar, printed to stderr; warnings reach stderr under a progress bar too.
 
 The progress bar and the per-step lines name each quantity the same way: `train_acc` is the share of this
-step's responses with a positive reward, `heldout_avg@k` the held-out evaluation (every `eval.every` steps).
+step's responses with a positive reward, `heldout_avg@k` the held-out evaluation (every `grpo.val_period` steps).
 
     with run_log(output_dir, to_stderr=not progress) as log:
         log.info("resuming from step 10 (checkpoints/step_10)")

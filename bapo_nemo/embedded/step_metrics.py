@@ -89,7 +89,8 @@ class ZeroSpreadWatch:
         elif reward_mean == 1.0:
             why = "every response was right: the tasks are too easy for this model"
         else:
-            why = "most groups' responses were all right or all wrong (raise rollout.group_size or the temperature)"
+            why = ("most groups' responses were all right or all wrong (raise grpo.num_generations_per_prompt or "
+                   "policy.generation.temperature)")
         return (f"no learning signal in steps {step - self.steps + 1}-{step}: frac_reward_zero_std "
                 f"{frac_zero_std:.2f} (share of groups whose responses all got the same reward, so zero "
                 f"advantage and no gradient); {why}")

@@ -200,7 +200,7 @@ def load_jsonl_tasks(
                 length = prompt_tokens(question)
                 if length > max_prompt_tokens:
                     why = (f"prompt of {length} tokens exceeds the {max_prompt_tokens} that "
-                           "model.max_position_embeddings leaves after rollout.partial.max_response_tokens")
+                           "model.max_position_embeddings leaves after partial_rollouts.max_response_tokens")
                     bad.append((lineno, why))
                     continue
             tasks.append(Task(ident or f"{path.stem}-{lineno}", question, answer, solution, {"line": lineno}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from bapo_nemo.embedded.config import RunConfigError, load_config
 from bapo_nemo.tracking.redact import redact_text
@@ -21,8 +22,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  bapo-nemo train configs/local_cpu.yaml\n"
         "  bapo-nemo train configs/local_cpu.yaml --output-dir runs/a --resume\n"
-        "  bapo-nemo train configs/local_cpu.yaml loss.bapo.enabled=false loss.bapo.c_low_min=0.8\n"
-        "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 rollout.partial.token_budget=16"
+        "  bapo-nemo train configs/local_cpu.yaml loss_fn.bapo.enabled=false loss_fn.bapo.c_low_min=0.8\n"
+        "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 partial_rollouts.token_budget=16"
     )
     parser.add_argument("config", help="run config YAML (e.g. configs/local_cpu.yaml)")
     parser.add_argument(
@@ -33,8 +34,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--output-dir",
-        default="runs/local_cpu",
-        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/local_cpu)",
+        default=None,
+        help="where checkpoints, MLflow store, metrics and hf_final go (default: runs/<config file name>, "
+        "e.g. runs/local_cpu)",
     )
     parser.add_argument(
         "--resume",
@@ -42,8 +44,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="resume from the newest COMPLETE checkpoint in --output-dir if there is one, "
         "else start fresh (so a requeued job can always pass it)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
-    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (RL steps)")
+    parser.add_argument("--seed", type=int, default=None, help="override grpo.seed")
+    parser.add_argument("--max-steps", type=int, default=None, help="override grpo.max_num_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
     parser.add_argument("--json", action="store_true",
                         help="end with the run's summary as JSON on stdout instead of the summary in words")
@@ -54,9 +56,9 @@ def main(args: argparse.Namespace) -> int:
     on stderr naming the key or file and the fix)."""
     overrides = list(args.overrides)
     if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
+        overrides.append(f"grpo.seed={args.seed}")
     if args.max_steps is not None:
-        overrides.append(f"train.max_steps={args.max_steps}")
+        overrides.append(f"grpo.max_num_steps={args.max_steps}")
     if args.no_progress:
         overrides.append("runtime.progress=false")
     try:
@@ -64,14 +66,20 @@ def main(args: argparse.Namespace) -> int:
     except RunConfigError as exc:
         print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
+    # the CPU settings: bf16 autocast is a GPU setting (slower than fp32 on most CPUs, and less exact)
+    cpu_settings = "runtime.device=cpu" + " policy.precision=float32" * (config.policy.precision != "float32")
     if config.runtime.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             print("error: runtime.device=cuda but torch sees no CUDA GPU (torch "
                   f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine "
-                  "or set runtime.device=cpu", file=sys.stderr)
+                  f"or add {cpu_settings}", file=sys.stderr)
             return 2
+    elif config.policy.precision == "bfloat16":
+        print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
+              "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
+              file=sys.stderr)
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
@@ -82,27 +90,29 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.trainer import ResumeError, train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
+    output_dir = args.output_dir or str(Path("runs") / Path(args.config).stem)
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
                    TrackingUnavailableError)
     try:
-        with OutputDirLock(args.output_dir) as lock:
+        with OutputDirLock(output_dir) as lock:
             if lock.stale:
                 print(f"note: {lock.path} was left by PID {lock.stale.get('pid', '?')} on host "
                       f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
                       file=sys.stderr)
             try:
-                summary = train(config, args.output_dir, resume=args.resume)
+                summary = train(config, output_dir, resume=args.resume)
             except BaseException as exc:  # the run's log ends with the line the console ends with
                 line = f"error: {redact_text(str(exc))}" if isinstance(exc, user_errors) else _ending(exc)
-                append_line(args.output_dir, line)
+                append_line(output_dir, line)
                 raise
     except (OutputDirError, *user_errors) as exc:
         print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(summary_record(summary), indent=2))
+        ending = json.dumps(summary_record(summary), indent=2)
     else:
-        print(summary_text(summary, config.tracking.experiment_name, config.eval.k, _command(args, summary)))
+        ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary))
+    print(redact_text(ending))  # as summary.json holds it: no password of the tracking URI, no token
     return 0
 
 

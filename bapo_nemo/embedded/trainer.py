@@ -1,5 +1,5 @@
 """The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom. The policy is
-the tiny Qwen2 built from config or any HF causal LM (`model.pretrained`); the tasks are the bundled
+the tiny Qwen2 built from config or any HF causal LM (`policy.model_name`); the tasks are the bundled
 arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math-verify).
 
     train(config, output_dir, resume) -> summary dict
@@ -9,9 +9,10 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
    a stop signal ends it between steps, with nothing written
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
-   BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
-   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP finish the step,
-   checkpoint and return (stop_signals.py: the handlers stay from set-up until the MLflow run is closed)
+   BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every
+   `grpo.val_period` steps, checkpoints every `checkpointing.save_period` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP
+   finish the step, checkpoint and return (stop_signals.py: the handlers stay from set-up until the MLflow run
+   is closed)
 4. finish (`_finish`): HF save in <output_dir>/hf_final (rewritten whenever the run ends at another step),
    summary, training plot
 
@@ -37,14 +38,7 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, config_differences
-from bapo_nemo.embedded.data import (
-    DataError,
-    fit_prompts,
-    load_data,
-    math_verify_reward,
-    truncate_prompt,
-    unrepresentable_text,
-)
+from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, truncate_prompt, unrepresentable_text
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
 from bapo_nemo.embedded.model import (
     DTYPES,
@@ -54,6 +48,7 @@ from bapo_nemo.embedded.model import (
     load_pretrained_tokenizer,
     prepare_model,
 )
+from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
 from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
@@ -85,9 +80,9 @@ def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> di
         try:
             if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
                 _warm_up(run)
-            bar = tqdm(total=cfg.train.max_steps, initial=run.step, desc="BAPO RL",
+            bar = tqdm(total=cfg.grpo.max_num_steps, initial=run.step, desc="BAPO RL",
                        disable=not cfg.runtime.progress)
-            while run.step < cfg.train.max_steps and not run.stop.requested:
+            while run.step < cfg.grpo.max_num_steps and not run.stop.requested:
                 outcome = rl_step(run.learner)
                 run.step += 1
                 metrics = _record_step(run, outcome)
@@ -143,22 +138,22 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     torch.set_num_threads(cfg.runtime.num_threads)
     device = torch.device(cfg.runtime.device)
     config_dict = cfg.to_dict()
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    random.seed(cfg.grpo.seed)
+    torch.manual_seed(cfg.grpo.seed)
 
     ckpt = _checkpoint_to_resume(output_dir, config_dict, resume)
     model, tokenizer, context_window = _policy(cfg, device)
     encode, eval_tasks, pool, score = _tasks(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
-    stream = TaskStream(cfg.seed, cfg.task, held_out, pool)
+    stream = TaskStream(cfg.grpo.seed, cfg.task, held_out, pool)
     warmup_stream = TaskStream(
-        cfg.seed + 7919,
+        cfg.grpo.seed + 7919,
         cfg.task,
         held_out,
         pool,
         cfg.warmup.step_error_rate,
         cfg.warmup.loop_rate,
-        cfg.rollout.partial.max_response_tokens,
+        cfg.partial_rollouts.max_response_tokens,
     )
 
     learner = Learner(
@@ -167,10 +162,10 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
         _optimizer(cfg, model),
         tokenizer,
         stream,
-        PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size),
+        PartialRolloutManager(cfg.partial_rollouts, cfg.grpo.num_generations_per_prompt),
         ReplayBuffer(cfg.replay.capacity, cfg.replay.max_staleness),
-        sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 1),  # sampling runs on the device
-        shuffle_gen=torch.Generator().manual_seed(cfg.seed + 2),
+        sample_gen=torch.Generator(device=device).manual_seed(cfg.grpo.seed + 1),  # sampling: on the device
+        shuffle_gen=torch.Generator().manual_seed(cfg.grpo.seed + 2),
         encode=encode,
         reward=lambda rollout: _rollout_reward(tokenizer, score, rollout),
     )
@@ -181,18 +176,18 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     else:
         run_id, recorded_in = _saved_run_id(output_dir) if resume else None, output_dir / "mlflow_run_id"
 
-    tracking_uri = cfg.tracking.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
+    tracking_uri = cfg.logger.mlflow.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
     store = sqlite_path(tracking_uri)
     if run_id is not None and store is not None and not store.is_file():  # MLflow would make an empty one
         raise ResumeError(
             f"the MLflow store {store} does not exist, but {recorded_in} records run {run_id} tracked in it: "
-            "restore the file from a copy, set tracking.tracking_uri to the store the run was tracked in, or "
-            "start a new run in another --output-dir"
+            "restore the file from a copy, set logger.mlflow.tracking_uri to the store the run was tracked in, "
+            "or start a new run in another --output-dir"
         )
     tracker = MlflowTracker(
         tracking_uri,
-        cfg.tracking.experiment_name,
-        cfg.tracking.run_name or output_dir.name,
+        cfg.logger.mlflow.experiment_name,
+        cfg.logger.mlflow.run_name or output_dir.name,
         run_id=run_id,
         buffer_dir=output_dir / "mlflow_buffer",
     )
@@ -223,24 +218,23 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
 
 
 def _policy(cfg: RunConfig, device: torch.device) -> tuple[Any, Any, int]:
-    """(model on its device, tokenizer, context window in tokens): `model.pretrained` loaded with its own
+    """(model on its device, tokenizer, context window in tokens): `policy.model_name` loaded with its own
     tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
-    if cfg.model.pretrained is not None:
-        model = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
-        tokenizer = load_pretrained_tokenizer(cfg.model.pretrained)
-        check_tokenizer_fits(model, tokenizer, cfg.model.pretrained)
+    if cfg.policy.model_name is not None:
+        model = load_pretrained(cfg.policy.model_name, cfg.model.dtype)
+        tokenizer = load_pretrained_tokenizer(cfg.policy.model_name)
+        check_tokenizer_fits(model, tokenizer, cfg.policy.model_name)
         window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     else:
         tokenizer = load_tokenizer()
-        model = build_model(cfg.model, tokenizer, cfg.seed)
+        model = build_model(cfg.model, tokenizer, cfg.grpo.seed)
         window = cfg.model.max_position_embeddings
     return _prepare(cfg, model, device), tokenizer, int(window)
 
 
 def _prepare(cfg: RunConfig, model, device: torch.device):
-    return prepare_model(
-        model, device, cfg.model.dtype, cfg.runtime.autocast, cfg.train.gradient_checkpointing
-    )
+    return prepare_model(model, device, cfg.model.dtype, cfg.policy.precision,
+                         cfg.policy.dtensor_cfg.activation_checkpointing)
 
 
 def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
@@ -250,19 +244,19 @@ def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
 
 def _tasks(cfg: RunConfig, tokenizer, context_window: int):
     """(encode(task) -> prompt ids, held-out tasks, training pool or None for generated tasks,
-    score(response text, task) -> reward). `data.train_path` set: your dataset, prompts fitted to the
+    score(response text, task) -> reward). `data.train.data_path` set: your dataset, prompts fitted to the
     context window, graded by `data.reward`; otherwise the bundled tasks (generated or `task.*` JSONL)."""
-    max_prompt = context_window - cfg.rollout.partial.max_response_tokens
+    max_prompt = context_window - cfg.partial_rollouts.max_response_tokens
     if max_prompt < 1:
         raise DataError(
-            f"rollout.partial.max_response_tokens={cfg.rollout.partial.max_response_tokens} leaves no room for "
-            f"a prompt in the model's context window of {context_window} tokens: lower it"
+            f"partial_rollouts.max_response_tokens={cfg.partial_rollouts.max_response_tokens} leaves no room "
+            f"for a prompt in the model's context window of {context_window} tokens: lower it"
         )
 
     def encode(task: Task) -> list[int]:
         return encode_prompt(tokenizer, task.question)
 
-    if cfg.data.train_path is None:
+    if cfg.data.train.data_path is None:
         eval_tasks = (
             load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction, max_prompt)
             if cfg.task.eval_file
@@ -287,12 +281,7 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
                                  unrepresentable_text(tokenizer, cfg.data.prompt_template))
     pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
     eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
-    if cfg.data.reward == "math_verify":
-
-        def score(text: str, task: Task) -> float:
-            return math_verify_reward(text, task.answer)
-    else:
-        score = reward
+    score = reward_function(cfg.data.reward, cfg.data.default.output_key)
     if cfg.data.overlong_prompts == "truncate":
         return (lambda task: truncate_prompt(encode(task), max_prompt)), eval_tasks, pool, score
     return encode, eval_tasks, pool, score
@@ -301,9 +290,9 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
 def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
+        lr=cfg.policy.optimizer.kwargs.lr,
+        betas=cfg.policy.optimizer.kwargs.betas,
+        weight_decay=cfg.policy.optimizer.kwargs.weight_decay,
     )
 
 
@@ -393,11 +382,11 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     evaluation and checkpoint when due. Returns the step's metrics."""
     cfg, step = run.cfg, run.step
     metrics = step_metrics(outcome, run.learner.version)
-    if step % cfg.eval.every == 0 or step == cfg.train.max_steps:
+    if step % cfg.grpo.val_period == 0 or step == cfg.grpo.max_num_steps:
         metrics.update(_run_eval(run, step))
     run.tracker.log_metrics(_finite(metrics), step=step)
     run.metrics_log.write({"step": step, **metrics})
-    log.info(step_line(step, cfg.train.max_steps, metrics, cfg.eval.k))
+    log.info(step_line(step, cfg.grpo.max_num_steps, metrics, cfg.eval.k))
     warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
     if warning:  # console, train.log and the MLflow run
         log.warning(warning)
@@ -419,7 +408,7 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
             ),
             f"samples/step_{step:06d}.json",
         )
-    if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps or run.stop.requested:
+    if step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps or run.stop.requested:
         _save(run, step)
     return metrics
 
@@ -431,9 +420,9 @@ def _run_eval(run: _Run, at_step: int) -> dict[str, float]:
         run.learner.tokenizer,
         run.eval_tasks,
         cfg.eval.k,
-        cfg.rollout.partial.max_response_tokens,
+        cfg.partial_rollouts.max_response_tokens,
         seed=cfg.task.eval_seed,
-        temperature=cfg.rollout.temperature,
+        temperature=cfg.policy.generation.temperature,
         encode=run.learner.encode,
         score=run.score,
     )
@@ -461,8 +450,8 @@ def _save(run: _Run, at_step: int) -> Path:
         "mlflow_run_id": run.run_id,
         "mlflow_tracking_uri": run.tracking_uri,
         "config_hash": config_hash(run.config_dict),
-        "bapo": run.cfg.loss.bapo.model_dump(mode="json"),
-        "model_name": run.cfg.model.pretrained or MODEL_NAME,
+        "bapo": run.cfg.loss_fn.bapo.model_dump(mode="json"),
+        "model_name": run.cfg.policy.model_name or MODEL_NAME,
         "last_eval": history["eval"][-1] if history["eval"] else None,
     }
     rollout_state = {"manager": learner.manager.state_dict(), "replay": learner.replay.state_dict()}
@@ -475,7 +464,7 @@ def _save(run: _Run, at_step: int) -> Path:
         rollout_state,
         run.config_dict,
         info,
-        run.cfg.checkpoint.keep_last,
+        run.cfg.checkpointing.keep_top_k,
     )
 
 
@@ -483,10 +472,10 @@ def _save(run: _Run, at_step: int) -> Path:
 def _finish(run: _Run) -> dict[str, Any]:
     cfg, step, history, output_dir = run.cfg, run.step, run.history, run.output_dir
     start_eval = next((e for e in history["eval"] if e["step"] == 0), None)
-    ended = step >= cfg.train.max_steps and not _warm_up_cut_short(run)  # a signal now cannot stop it
+    ended = step >= cfg.grpo.max_num_steps and not _warm_up_cut_short(run)  # a signal now cannot stop it
     summary = {
         "step": step,
-        "max_steps": cfg.train.max_steps,
+        "max_steps": cfg.grpo.max_num_steps,
         "policy_version": run.learner.version,
         "stopped_by_signal": None if ended else run.stop.signal_name,
         "mlflow_run_id": run.run_id,

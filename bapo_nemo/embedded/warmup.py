@@ -78,9 +78,10 @@ def run_warmup(
 def cache_key(config_dict: dict) -> dict:
     """What the warm-up result depends on (looping demonstrations run to the response length limit), as
     written to info.json: secrets redacted."""
-    key = {k: config_dict[k] for k in ("seed", "model", "task", "data", "warmup") if k in config_dict}
+    key = {k: config_dict[k] for k in ("model", "task", "data", "warmup") if k in config_dict}
+    key["seed"], key["model_name"] = config_dict["grpo"]["seed"], config_dict["policy"]["model_name"]
     if config_dict.get("warmup", {}).get("loop_rate"):
-        key["loop_length"] = config_dict["rollout"]["partial"]["max_response_tokens"]
+        key["loop_length"] = config_dict["partial_rollouts"]["max_response_tokens"]
     return redact_nested(key)
 
 

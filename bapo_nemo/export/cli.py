@@ -17,6 +17,14 @@ from bapo_nemo.tracking.redact import REDACTED, redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  bapo-nemo export runs/local_cpu --out exports/local_cpu\n"
+        "  bapo-nemo export runs/local_cpu/checkpoints/step_40 --out exports/step_40_fp8 --fp8\n"
+        "  bapo-nemo export runs/local_cpu --out exports/local_cpu --register-model bapo-tiny --force\n"
+        "  bapo-nemo export results/bapo_7b/step_100 --out exports/bapo_7b   (NeMo-RL, in the container)"
+    )
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="embedded step_<N> dir or training output_dir; or a NeMo-RL checkpoint_dir/step_<N>")
     parser.add_argument("--out", required=True, help="directory to write the Hugging Face model to")

@@ -137,7 +137,7 @@ def load_embedded(ref: CheckpointRef):
             raise
         raise CheckpointVanished(
             f"{ref.path} was deleted while it was read: the run that owns it still trains and deletes its older "
-            f"checkpoints (checkpoint.keep_last). Export the run directory {run_root(ref.path)} to get its newest "
+            f"checkpoints (checkpointing.keep_top_k). Export the run directory {run_root(ref.path)} to get its newest "
             "checkpoint, or wait until the run finishes"
         ) from exc
 

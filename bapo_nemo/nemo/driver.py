@@ -18,8 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+import yaml
+
+from bapo_nemo.config_kind import wrong_tool_for_embedded
 from bapo_nemo.plan.checks import Finding, bapo_enabled, check_config, plan_cluster
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
@@ -36,13 +40,44 @@ class AsyncLoopError(RuntimeError):
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_nemo.train",
-        description="BAPO GRPO training on NeMo-RL v0.7.0 (run inside nvcr.io/nvidia/nemo-rl:v0.7.0)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="BAPO GRPO training on NeMo-RL v0.7.0: NeMo-RL's grpo_train with BAPOLossFn, on a Ray\n"
+        "cluster inside nvcr.io/nvidia/nemo-rl:v0.7.0 (slurm/*.sbatch start it). It takes a NeMo-RL master\n"
+        "config and Hydra-style overrides, as NeMo-RL's examples/run_grpo.py does.\n\n"
+        "Not to be mixed up with `bapo-nemo train CONFIG [key=value ...]`: the single-machine trainer\n"
+        "(CPU or one GPU, no NeMo-RL), which takes embedded configs such as configs/local_cpu.yaml.",
+        epilog="examples:\n"
+        "  python -m bapo_nemo.train --config configs/bapo_7b.yaml\n"
+        "  python -m bapo_nemo.train --config configs/bapo_32b.yaml "
+        "checkpointing.checkpoint_dir=/lustre/run1 cluster.num_nodes=8\n"
+        "  python -m bapo_nemo.train --config configs/bapo_7b.yaml loss_fn.bapo.rho0=0.5 "
+        "++logger.mlflow.tracking_uri=http://mlflow:5000 --skip-checks\n"
+        "check a config first: bapo-nemo check configs/bapo_32b.yaml --nodes 8 --gpus-per-node 8",
     )
-    parser.add_argument("--config", required=True, help="master config, e.g. configs/bapo_32b.yaml")
+    parser.add_argument("--config", required=True, help="NeMo-RL master config, e.g. configs/bapo_32b.yaml")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="Hydra-style overrides applied to the config, as NeMo-RL reads them: a.b=1 sets a key, "
+        "+a.b=1 adds one, ++a.b=1 adds or sets, ~a.b deletes (the sbatch scripts pass checkpoint_dir, "
+        "log_dir and the cluster shape this way)",
+    )
     parser.add_argument(
         "--skip-checks", action="store_true", help="skip bapo-nemo check's rules (not advised)"
     )
-    return parser.parse_known_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    return args, args.overrides
+
+
+def _embedded_config(path: str) -> str | None:
+    """The one-line pointer to `bapo-nemo train` when `path` is an embedded config (read before NeMo-RL is
+    imported, so it is said on any machine)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # NeMo-RL's loader reports it
+    return wrong_tool_for_embedded(path, data)
 
 
 def preflight(config: dict) -> list[Finding]:
@@ -130,6 +165,10 @@ def check_async_loop_finished(steps_done: int, max_steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)  # --help works without NeMo-RL
+    wrong_tool = _embedded_config(args.config)
+    if wrong_tool is not None:
+        print(f"error: {wrong_tool}", file=sys.stderr)
+        return 2
     try:
         from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
     except ImportError as exc:

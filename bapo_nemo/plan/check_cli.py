@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
@@ -30,6 +31,16 @@ from bapo_nemo.plan.step_time import DEFAULT_FS_WRITE_GBPS_PER_NODE
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  bapo-nemo check configs/bapo_32b.yaml --nodes 8 --gpus-per-node 8\n"
+        "  bapo-nemo check configs/bapo_7b.yaml --nodes 1 --gpus-per-node 8 --gpu h200-141gb --json\n"
+        "  bapo-nemo check configs/bapo_32b.yaml --nodes 8 --gpus-per-node 8 "
+        "policy.max_total_sequence_length=65536\n"
+        "  bapo-nemo check configs/bapo_7b.yaml --nodes 1 --gpus-per-node 8 --response-lengths lengths.txt\n"
+        "Exit 1 on any error. Embedded configs (configs/local_cpu.yaml) are for `bapo-nemo train`."
+    )
     parser.add_argument("config", help="NeMo-RL master config (YAML; `defaults:` inheritance is followed)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra-style overrides, e.g. cluster.num_nodes=8 ++a.b=1"
@@ -346,7 +357,7 @@ def main(args) -> int:
     try:
         config, findings, mem, plan = run_check(args)
     except ConfigLoadError as exc:
-        console.print(f"[bold red]error[/]: {exc}")
+        console.print(f"[bold red]error[/]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1
     step, step_findings = step_time_check(args, config, plan)
     findings = findings + step_findings

@@ -16,6 +16,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bapo_nemo.config_kind import wrong_tool_for_embedded
+
 
 class ConfigLoadError(ValueError):
     """The config file or an override cannot be read; the message names the file or the override."""
@@ -64,6 +66,8 @@ def load_with_defaults(path: str | Path) -> DictConfig:
         raise ConfigLoadError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(config, DictConfig):
         raise ConfigLoadError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
+    if (wrong_tool := wrong_tool_for_embedded(str(path), dict(config))) is not None:
+        raise ConfigLoadError(wrong_tool)
     if "defaults" in config:
         parents = config.pop("defaults")
         parents = [str(p) for p in parents] if isinstance(parents, ListConfig) else [str(parents)]

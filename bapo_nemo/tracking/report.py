@@ -72,7 +72,8 @@ MIN_RELATIVE_SPAN = 0.01
 
 KEY_PARAMS = ["bapo.enabled", "bapo.rho0", "bapo.order", "bapo.measure", "bapo.granularity", "bapo.c_low_min",
               "bapo.c_low_max", "bapo.c_high_min", "bapo.c_high_max", "bapo.dual_clip", "optim.lr",
-              "train.updates_per_batch", "policy.model_name", "ratio_clip_min", "ratio_clip_max"]
+              "optimizer.kwargs.lr", "train.updates_per_batch", "policy.model_name", "ratio_clip_min",
+              "ratio_clip_max"]
 
 
 class ReportError(ValueError):

@@ -12,6 +12,15 @@ from bapo_nemo.tracking.redact import redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  bapo-nemo report --experiment bapo-embedded --tracking-uri sqlite:///runs/local_cpu/mlflow.db\n"
+        "  bapo-nemo report --experiment bapo-embedded --tracking-uri sqlite:///runs/local_cpu/mlflow.db "
+        "--runs local_cpu --out report/ --no-log\n"
+        "  MLFLOW_TRACKING_URI=http://mlflow.internal:5000 bapo-nemo report --experiment bapo "
+        "--runs bapo_7b bapo_32b"
+    )
     parser.add_argument("--experiment", required=True, help="MLflow experiment name")
     parser.add_argument("--runs", nargs="+", metavar="RUN_ID_OR_NAME",
                         help="runs to compare, by id or name (default: every run of the experiment)")
