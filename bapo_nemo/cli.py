@@ -63,10 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # expected errors are reported by the sub-command; this is the last resort
         if getattr(args, "debug", False):
             raise
-        where = _innermost_frame(exc)
-        print(f"bapo-nemo {name}: error: {type(exc).__name__}: {exc}{where} (run again with --debug for the "
-              "traceback)", file=sys.stderr)
+        print(unexpected_error_line(name, exc), file=sys.stderr)
         return 1
+
+
+def unexpected_error_line(command: str, exc: BaseException) -> str:
+    """The one line an unexpected error ends `bapo-nemo COMMAND` with (also the last line of a run's log)."""
+    from bapo_nemo.tracking.redact import redact_text
+
+    where = _innermost_frame(exc)
+    return (f"bapo-nemo {command}: error: {type(exc).__name__}: {redact_text(str(exc))}{where} (run again with "
+            "--debug for the traceback)")
 
 
 def _innermost_frame(exc: BaseException) -> str:

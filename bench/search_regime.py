@@ -12,6 +12,10 @@ regime and measures, on the same weights and the same mini-batch, what every gra
     packing groups them. On D data-parallel ranks a search sums D micro-batches' statistics (one
     all-reduce), which tests/test_algorithm_distributed.py proves equals one search on their union:
     m responses per search = D ranks x m / D responses per packed bin (adjacent bins, similar lengths);
+- `step` with `loss_fn.bapo.step_bounds_sample` (docs/nemo_rl.md, "Cheaper step-wide bounds"), on the
+  later updates of each rollout batch (the first is exact in every scheme): the search over a random
+  sample of the mini-batch's prompt groups (f = 0.5, 0.25; `SAMPLE_DRAWS` draws per update), and over
+  all rows at the log-probs of the weights at the start of the rollout batch (f = 0);
 - per search: target met (else the bounds are the saturated end of the path), one advantage sign only,
   the chosen bounds, and their distance to the step search's bounds on the same update.
 
@@ -45,6 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PLOT = ROOT / "docs" / "results" / "search_regime.png"
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
+SAMPLE_FRACTIONS = (0.5, 0.25)  # step_bounds_sample values that run the extra pass on a sample
+SAMPLE_DRAWS = 4  # random group samples per later update and fraction
+# Fixed before measuring (docs/nemo_rl.md, "Cheaper step-wide bounds"): a step_bounds_sample value may be
+# shipped only if its mean bound distance to the exact step search and its target-met share (against
+# the exact search on the same later updates) are both within this.
+TOLERANCE = 0.05
 UPDATES = 4  # optimizer updates per rollout batch, as the cluster configs (1,024 responses / 256)
 
 
@@ -80,6 +90,7 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
     manager = PartialRolloutManager(cfg.rollout.partial, cfg.rollout.group_size)
     sample_gen = torch.Generator().manual_seed(seed + 1)
     shuffle_gen = torch.Generator().manual_seed(seed + 2)
+    group_gen = torch.Generator().manual_seed(seed + 3)  # step_bounds_sample's group draws
     bapo = cfg.loss.bapo
 
     def generate_fn(contexts, max_new_tokens):
@@ -113,7 +124,10 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
             groups += manager.run_iteration(generate_fn, version, cfg.rollout.prompts_per_step - len(groups))
         rewards = [[score(r) for r in g.rollouts] for g in groups]
         batch = build_batch(groups, rewards, tokenizer.pad_token_id)
-        for u, rows in enumerate(split_minibatches(len(batch), UPDATES, cfg.rollout.group_size, shuffle_gen)):
+        minibatches = split_minibatches(len(batch), UPDATES, cfg.rollout.group_size, shuffle_gen)
+        with torch.no_grad():  # step_bounds_sample=0: the log-probs of the rollout batch's start weights
+            start_logprobs = [forward_logprobs(model, batch.select(rows), 64) for rows in minibatches]
+        for u, rows in enumerate(minibatches):
             mb = batch.select(rows)
             width = mb.mask.shape[1]
             old, weights = batch.behavior_logprobs[rows][:, :width], batch.loss_weights[rows][:, :width]
@@ -129,6 +143,23 @@ def run_seed(seed: int, batches: int, warmup_steps: int, lr: float | None = None
             for m in MICRO_SIZES:
                 modes[(f"microbatch m={m}", m)] = [
                     (idx, search(idx)) for idx in length_sorted_micro_batches(mb, m)
+                ]
+            if u > 0:  # later updates: where step_bounds_sample differs from the exact search
+                everything = list(range(len(mb)))
+                modes[("step, later updates", len(mb))] = [(everything, step)]
+                groups = sorted({int(g) for g in mb.group_index})
+                for f in SAMPLE_FRACTIONS:
+                    k = max(1, round(f * len(groups)))
+                    draws = []
+                    for _ in range(SAMPLE_DRAWS):
+                        pick = torch.randperm(len(groups), generator=group_gen)[:k].tolist()
+                        chosen = {groups[j] for j in pick}
+                        idx = [i for i in everything if int(mb.group_index[i]) in chosen]
+                        draws.append((idx, search(idx)))
+                    modes[(f"step sample={f:g}", len(draws[0][0]))] = draws
+                start_ratio = importance_ratio(start_logprobs[u][:, :width], old)
+                modes[("step sample=0 (start weights)", len(mb))] = [
+                    (everything, search(everything, ratio=start_ratio))
                 ]
             for (mode, n), results in modes.items():
                 for idx, res in results:
@@ -199,6 +230,16 @@ def plot(records: list[dict], summary: dict, path: Path, lr: float | None = None
     axes[2].plot(xs, [summary[n]["dist_to_step_mean"] for n in names], marker="o", label="microbatch")
     axes[0].axhline(step["target_met"], color="k", ls="--", label=f"step ({step['responses']} responses)")
     axes[1].axhline(step["one_sided"], color="k", ls="--", label="step")
+    sampled = [n for n in summary if n.startswith("step sample=") and "start" not in n]
+    if sampled:  # step_bounds_sample on the later updates
+        xs = [summary[n]["responses"] for n in sampled]
+        for ax, key in zip(axes, ("target_met", "one_sided", "dist_to_step_mean")):
+            ax.plot(xs, [summary[n][key] for n in sampled], marker="s", ls="", color="C2",
+                    label="step, sampled groups (later updates)")
+        start = summary["step sample=0 (start weights)"]
+        for ax, key in ((axes[0], "target_met"), (axes[2], "dist_to_step_mean")):
+            ax.axhline(start[key], color="C3", ls=":", label="step, start-of-batch log-probs")
+        axes[2].axhline(TOLERANCE, color="C2", ls="--", lw=0.8, label=f"tolerance {TOLERANCE}")
     for ax, title in zip(
         axes,
         (
@@ -253,6 +294,17 @@ def main() -> None:
             f"{s['c_high_mean']:5.2f} ± {s['c_high_std']:4.2f} {s['c_low_mean']:5.2f} ± {s['c_low_std']:4.2f} "
             f"{s['dist_to_step_mean']:8.3f}"
         )
+    exact = summary.get("step, later updates")
+    if exact is not None:
+        print(f"step_bounds_sample against the exact step search on the later updates (tolerance {TOLERANCE}):")
+        for mode in (m for m in summary if m.startswith("step sample=")):
+            s = summary[mode]
+            met_gap = abs(s["target_met"] - exact["target_met"])
+            ok = s["dist_to_step_mean"] <= TOLERANCE and met_gap <= TOLERANCE
+            print(
+                f"  {mode:32s} distance {s['dist_to_step_mean']:.3f}, target met {s['target_met']:.2f} vs "
+                f"{exact['target_met']:.2f}: {'within' if ok else 'outside'} the tolerance"
+            )
     print(f"{time.perf_counter() - t0:.0f} s; wrote {out_json} and {out_png}")
 
 

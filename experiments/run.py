@@ -94,8 +94,12 @@ def run_status(path: Path, fingerprint: str) -> str:
 
 
 def move_aside(path: Path) -> Path:
-    """Keep a conflicting directory under a new name (nothing is deleted)."""
-    target = path.with_name(f"{path.name}.superseded-{time.strftime('%Y%m%dT%H%M%S')}")
+    """Keep a conflicting directory under a new name (nothing is deleted, nor renamed over: a name already
+    taken, e.g. by a move in the same second, gets a counter)."""
+    base = path.with_name(f"{path.name}.superseded-{time.strftime('%Y%m%dT%H%M%S')}")
+    target, n = base, 1
+    while target.exists():
+        target, n = base.with_name(f"{base.name}.{n}"), n + 1
     path.rename(target)
     return target
 
@@ -108,12 +112,15 @@ def warmup_ready(path: Path) -> bool:
 def ensure_store(root: Path, mode: str, study: str) -> None:
     from mlflow.tracking import MlflowClient  # slow import: only when runs are about to start
 
+    from bapo_nemo.tracking.mlflow_tracker import store_lock
+
     sdir = study_dir(root, mode, study)
     sdir.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=tracking_uri(root, mode, study))
-    name = experiment_name(study, mode)
-    if client.get_experiment_by_name(name) is None:
-        client.create_experiment(name, artifact_location=(sdir / "mlartifacts" / name).resolve().as_uri())
+    with store_lock(tracking_uri(root, mode, study)):  # the lock the trainers take: two runners may share it
+        client = MlflowClient(tracking_uri=tracking_uri(root, mode, study))
+        name = experiment_name(study, mode)
+        if client.get_experiment_by_name(name) is None:
+            client.create_experiment(name, artifact_location=(sdir / "mlartifacts" / name).resolve().as_uri())
 
 
 # ---- one process per run -----------------------------------------------------------------------------------

@@ -1,12 +1,19 @@
-"""Shared test set-up: markers that skip with their reason where the hardware or software is absent."""
+"""Shared test set-up: markers that skip with their reason where the hardware or software is absent, and
+how the suite runs in parallel (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml): which tests
+share a worker, how many workers, one build of an expensive fixture for all of them, and each test's
+environment variables put back after it."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hypothesis import settings
 
 # CI explores a fixed set of examples (the same on every run), so a landing never hinges on a random
@@ -47,7 +54,7 @@ def _has_nemo_rl() -> bool:
         return False
 
 
-def pytest_collection_modifyitems(config, items):
+def _skip_where_absent(items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: runs inside the NeMo-RL container on the cluster")
     skip_nemo = pytest.mark.skip(
         reason="needs NeMo-RL v0.7.0: an installed nemo_rl (nvcr.io/nvidia/nemo-rl:v0.7.0) or its source in "
@@ -60,3 +67,125 @@ def pytest_collection_modifyitems(config, items):
         if "nemo_rl" in item.keywords and not nemo:
             item.add_marker(skip_nemo)
 
+
+
+# ---- parallel runs (pytest-xdist) -------------------------------------------------------------------------
+# Modules whose tests must run one after another in one worker process, in file order, and apart from each
+# other's groups. The rest of the suite spreads over the workers test by test, except that a module with a
+# module-scoped fixture keeps its tests together (the fixture is built once, not once per worker).
+XDIST_GROUPS = {
+    # NeMo-RL in-process: Ray clusters (a head per module, a local one per test), MLflow's fluent API (a
+    # process follows the first tracking URI it is given), the driver's signal handlers.
+    "test_nemo_driver_e2e.py": "nemo-rl-in-process",
+    "test_nemo_partial_rollout.py": "nemo-rl-in-process",
+    "test_tracking_nemo_rl.py": "nemo-rl-in-process",
+    "test_nemo_step_signal.py": "nemo-rl-in-process",
+}
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "_fixtureinfo", None)
+    return fixtures is not None and any(
+        defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values() if defs
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (it appends the group to each test's id)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.name
+        group = XDIST_GROUPS.get(module) or (module if _uses_a_module_fixture(item) else None)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    _skip_where_absent(items)
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Stop at once if this pytest/xdist pair ignores the groups (pytest 9.2 with xdist 3.8: pytest-xdist
+    issue 1386), rather than run Ray or Slurm tests side by side and fail at random. xdist shows a test's
+    group as an "@group" suffix of the id a worker reports."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [i for i in ids if i.partition("::")[0].rpartition("/")[2] in XDIST_GROUPS and "@" not in i]
+    if lost:
+        pytest.exit(
+            f"pytest-xdist does not group {lost[0]} (and {len(lost) - 1} more): this pytest/pytest-xdist "
+            "pair ignores xdist_group; install with -c constraints/cpu-py311.txt, or run with -n 0",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: PYTEST_XDIST_AUTO_NUM_WORKERS if set, else WORKERS_PER_CPU per CPU this process may use.
+    Most slow tests wait on subprocesses (a CLI, a trainer, an MLflow server, Slurm's scheduler), so more
+    workers than cores keeps the cores busy."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return WORKERS_PER_CPU * len(os.sched_getaffinity(0))
+
+
+WORKERS_PER_CPU = 2
+
+
+def _mlflow_tracking_uri() -> str | None:
+    """The tracking URI MLflow's fluent API follows in this process, if a test has loaded MLflow."""
+    mlflow = sys.modules.get("mlflow")
+    return mlflow.get_tracking_uri() if mlflow is not None and mlflow.is_tracking_uri_set() else None
+
+
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """What a test sets process-wide must not change what later tests in the same worker, or the
+    subprocesses they start, see: environment variables, and MLflow's fluent API, which follows the first
+    tracking URI a process is given (NeMo-RL's MLflowLogger sets it only when none is set, and exports it
+    as MLFLOW_TRACKING_URI) and keeps a run active until it is ended."""
+    environment, tracking_uri = dict(os.environ), _mlflow_tracking_uri()
+    yield
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        if _mlflow_tracking_uri() != tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)  # None: back to "not set" (MLflow then reads the env)
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """`built_once(key, build)`: a directory that `build(path)` fills once per session, for every xdist
+    worker: the first to ask builds it while the others wait on a file lock, then all read it. `key` must
+    name what the build depends on (e.g. a hash of its config). A build that raises leaves nothing behind,
+    so each later asker builds again and fails the same way. Readers must not change the directory: copy
+    it first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory; each worker's own is a folder in it
+    root = root / "built_once"
+    root.mkdir(exist_ok=True)
+
+    def get(key: str, build: Callable[[Path], None]) -> Path:
+        target, done = root / key, root / f"{key}.done"
+        with FileLock(str(root / f"{key}.lock")):
+            if not done.is_file():
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir()
+                try:
+                    build(target)
+                except BaseException:
+                    shutil.rmtree(target, ignore_errors=True)
+                    raise
+                done.touch()
+        return target
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def trained(built_once) -> Path:
+    """A finished 3-step tiny run with checkpoints step_0..step_3, trained once for all workers and shared by
+    the user-error, user-run and race tests (each copies it before changing it)."""
+    from test_user_errors import TINY_RUN_KEY, train_tiny_run
+
+    return built_once(f"trained-run-{TINY_RUN_KEY}", train_tiny_run) / "run"

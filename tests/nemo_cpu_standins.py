@@ -26,8 +26,10 @@ result dict; `Policy.train` (`nemo_rl/models/policy/lm_policy.py`, lines 702-793
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import random
 import threading
 from collections import defaultdict
 from functools import partial
@@ -66,14 +68,38 @@ VERSION_FILE = "standin_policy_version.json"
 ON_TRAIN: list[Any] = []
 
 
-def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 380) -> Path:
+# The tests' premise, by construction: a GRPO group of G samples of the warm-started model holds a right
+# AND a wrong answer, so its advantages are non-zero and BAPO's bound search has both signs to weigh, on
+# any machine (the async test samples with these weights only; a sync run's first step does).
+# - The tiny model is taught, for each of the 30 prompts, two answers at 50% each: the sum (rewarded) and
+#   the sum + 1 (not). Full-batch training on all 60 rows converges to that fixed point whatever the CPU's
+#   float reductions (measured: every prompt's two responses within [0.47, 0.51], see _warm_start).
+#   The former warm start (380 steps toward the right answer only) depended on them: with one thread
+#   instead of two, the same seed gave 96% right answers instead of 54%, and most groups came out uniform.
+# - TinySampler draws a prompt's G samples as one stratified set (see its docstring): a response of
+#   probability at least 1/G always receives one of them.
+# So every group is mixed while each prompt's right and wrong response have probability >= 1/G = 0.25
+# (G = 4 in the tests); check_mixed_answers asserts >= MIN_ANSWER_PROB after every warm start.
+MIN_ANSWER_PROB = 0.35
+
+
+def math_prompts() -> list[tuple[int, int]]:
+    """Every single-digit sum the tiny model knows: a in 0..4, b in 0..5 (30 prompts)."""
+    return [(a, b) for a in range(5) for b in range(6)]
+
+
+def wrong_answer(a: int, b: int) -> int:
+    """The wrong answer the tiny model gives half the time: one digit off, same length as the right one."""
+    return (a + b + 1) % 10
+
+
+def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 400) -> Path:
     """A 2-layer Qwen2 over the embedded character tokenizer, saved as an HF checkpoint.
 
-    It is first taught the answer format ("a+b=c", then EOS, for the sums write_math_jsonl draws) for
-    `warm_start_steps` AdamW steps: 380 leave it right on about half of its sampled answers (53% of 120
-    measured at temperature 1), so GRPO groups get mixed rewards and non-zero advantages, and BAPO's bound search
-    has positive and negative tokens to weigh. An untrained model is never rewarded, and with all
-    advantages 0 every search returns its starting bounds whatever the ratio."""
+    It is first taught the answer format ("a+b=c", then EOS) with c the sum or `wrong_answer` at 50% each,
+    for every prompt of `math_prompts` (see the premise above), then checked (`check_mixed_answers`). An
+    untrained model is never rewarded, and with all advantages 0 every search returns its starting bounds
+    whatever the ratio."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -94,46 +120,93 @@ def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 380
         pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForCausalLM(config)
-    _warm_start(model, tokenizer, warm_start_steps, seed)
+    _warm_start(model, tokenizer, warm_start_steps)
+    check_mixed_answers(model, tokenizer)
     model.save_pretrained(directory)
     return directory
 
 
-def _warm_start(model, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
-    """Supervised steps on prompt "a+b=?" -> response "a+b=c" + EOS (loss on the response only)."""
-    import random
+def _answer_rows(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every prompt "a+b=?": the rows prompt + "a+b=<sum>" + EOS and prompt + "a+b=<wrong>" + EOS
+    (right first), right-padded, with labels on the response only."""
+    rows = []
+    for a, b in math_prompts():
+        prompt = tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False)
+        for answer in (a + b, wrong_answer(a, b)):
+            response = tokenizer.encode(f"{a}+{b}={answer}", add_special_tokens=False)
+            rows.append((prompt, response + [tokenizer.eos_token_id]))
+    width = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (p, r) in enumerate(rows):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+    return input_ids, labels
 
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+def _warm_start(model, tokenizer, steps: int, lr: float = 1e-2, warmup: int = 40) -> None:
+    """Full-batch AdamW on all 60 rows of `_answer_rows` (no sampling noise in the target), the learning
+    rate warmed up linearly and decayed to 0 on a cosine, so the model settles at the 50/50 fixed point
+    (without the warm-up, twice this rate stalls at a loss of 0.6 on some seeds)."""
+    import math
+
+    input_ids, labels = _answer_rows(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    # One thread: a model this small gains nothing from more, and on two busy cores two threads spin
+    # (measured under load: 6-15 s on one thread, 230 s on two).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model.train()
-    for _ in range(steps):
-        rows = []
-        for _ in range(batch_size):
-            a, b = rng.randint(0, 4), rng.randint(0, 5)
-            prompt = tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False)
-            response = tokenizer.encode(f"{a}+{b}={a + b}", add_special_tokens=False) + [tokenizer.eos_token_id]
-            rows.append((prompt, response))
-        width = max(len(p) + len(r) for p, r in rows)
-        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        for i, (p, r) in enumerate(rows):
-            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=input_ids, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
 
 
-def write_math_jsonl(path: Path, n: int, seed: int = 0) -> Path:
-    """Single-digit sums: the math environment's verifier extracts the response's last number."""
+@torch.no_grad()
+def answer_probabilities(model, tokenizer) -> torch.Tensor:
+    """[prompts, 2]: each prompt's probability of its whole right and wrong response (format, answer, EOS)."""
+    input_ids, labels = _answer_rows(tokenizer)
+    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (lp * (labels[:, 1:] != -100)).sum(1).exp().view(-1, 2)
+
+
+def check_mixed_answers(model, tokenizer, min_prob: float = MIN_ANSWER_PROB) -> None:
+    """Fail loudly where the tests' premise does not hold: a prompt whose right or wrong response has
+    probability under `min_prob` can draw a uniform group, and the tests that read advantages turn trivial."""
+    probs = answer_probabilities(model, tokenizer)
+    low = [(f"{a}+{b}=?", round(float(r), 3), round(float(w), 3))
+           for (a, b), (r, w) in zip(math_prompts(), probs.tolist()) if min(r, w) < min_prob]
+    assert not low, (
+        f"the warm-started tiny model gives these prompts a right or wrong response below {min_prob} "
+        f"(prompt, p(right), p(wrong)): {low}. The tests need both near 0.5 so that every GRPO group of 4 "
+        "stratified samples holds both (see tests/nemo_cpu_standins.py, MIN_ANSWER_PROB): the warm start "
+        "did not converge on this machine; raise warm_start_steps."
+    )
+
+
+def write_math_jsonl(path: Path, n: int | None = None, seed: int = 0) -> Path:
+    """The first `n` of the 30 `math_prompts`, shuffled, each once: a prompt then has one group a run, so
+    its samples are the first G draws of that prompt (TinySampler's stratified set). The math
+    environment's verifier grades the response's expression against the sum."""
     import random
 
-    rng = random.Random(seed)
+    prompts = math_prompts()
+    random.Random(seed).shuffle(prompts)
+    if n is not None and n > len(prompts):
+        raise ValueError(f"at most {len(prompts)} distinct prompts, not {n}")
     with path.open("w") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 4), rng.randint(0, 5)
+        for a, b in prompts[:n]:
             f.write(json.dumps({"input": f"{a}+{b}=?", "output": str(a + b)}) + "\n")
     return path
 
@@ -340,14 +413,33 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
 
 class TinySampler:
     """The sampling itself: ancestral sampling from a tiny Qwen2, one token at a time, recording every
-    segment it produces. Runs in the driver (colocated) or inside `_SamplerActor` (not colocated)."""
+    segment it produces. Runs in the driver (colocated) or inside `_SamplerActor` (not colocated).
+
+    Each draw is exact ancestral sampling from the model, and the draws from one context are stratified,
+    so that a GRPO group cannot come out uniform by chance. A draw decodes one number u in [0, 1): at each
+    position it takes the token whose interval of the cumulative distribution (tokens in id order) holds u,
+    then rescales u into that interval: when u is uniform, every token is drawn with the model's
+    probability (inverse-CDF sampling), and u picks the response at quantile u of the model's distribution
+    over responses ordered token by token. The n-th draw from one context (prompt plus response so far,
+    counted over this sampler's life) takes u = offset + vdc(n) mod 1, where vdc is the base-2 van der
+    Corput sequence (0, 1/2, 1/4, 3/4, 1/8, ...) and the offset is uniform, fixed by (seed, context). Each
+    draw is therefore uniform on its own, and the first 2^k draws from a context are 2^k points 2^-k apart
+    on the circle: any set of responses of probability >= 2^-k whose quantiles form an interval (e.g. all
+    responses starting "3+2=5<eos>") receives at least one of them. vLLM draws a group's samples
+    independently; the tests need only each sample's law (the behaviour log-probs) to be the model's.
+    Samplers with the same seed draw the same quantiles: a group split over several must give each its
+    own seed (it is then stratified within each sampler only).
+    Once a draw's u has lost float64 resolution (a response less likely than ~1e-10), it continues with
+    fresh uniforms of its own."""
 
     def __init__(self, model_name: str, seed: int = 1234):
         torch.set_num_threads(1)  # CI's few cores are shared with the trainer and Ray's actors
         self.model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).eval()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
         self.version = 0
         self.segments: list[dict[str, Any]] = []
+        self.draws: dict[tuple[int, ...], int] = defaultdict(int)  # draws taken so far, per context
+        self._draws_lock = threading.Lock()  # a worker may serve concurrent requests
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> bool:
         self.model.load_state_dict(weights)
@@ -358,9 +450,10 @@ class TinySampler:
     def generate(
         self, cfg: dict, data: BatchedDataDict, greedy: bool = False, seed: int | None = None
     ) -> BatchedDataDict:
-        """`seed`: sample from a generator of its own, so the result does not depend on the order in which
-        concurrent requests reach this sampler (async GRPO sends them from several collector threads)."""
-        generator = self.generator if seed is None else torch.Generator().manual_seed(seed)
+        """`seed`: the offsets' seed for this call (default: the sampler's). Rows may arrive in any order
+        and in any grouping (async GRPO sends one row per request from several collector threads): a
+        group's draws are the same set whenever its G rows are the first G draws of their context."""
+        seed = self.seed if seed is None else seed
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         max_new = int(cfg["max_new_tokens"])
         pad, stops = int(cfg["_pad_token_id"]), set(cfg.get("stop_token_ids") or [])
@@ -369,10 +462,11 @@ class TinySampler:
         for i in range(input_ids.shape[0]):
             seq = input_ids[i, : int(input_lengths[i])].tolist()
             n_in, seq_lp = len(seq), []
+            draw = _Quantile(seed, tuple(seq), self._next_draw(tuple(seq)))
             while len(seq) - n_in < max_new:
                 logits = self.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()
                 probs = torch.softmax(logits / temperature, dim=-1)
-                tok = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=generator))
+                tok = int(probs.argmax()) if greedy else draw.token(probs)
                 seq.append(tok)
                 seq_lp.append(float(torch.log(probs[tok])))
                 if tok in stops:
@@ -399,12 +493,52 @@ class TinySampler:
             }
         )
 
+    def _next_draw(self, context: tuple[int, ...]) -> int:
+        with self._draws_lock:
+            n = self.draws[context]
+            self.draws[context] = n + 1
+        return n
+
     def take_segments(self) -> list[dict[str, Any]]:
         taken, self.segments = self.segments, []
         return taken
 
 
-_SEED_LOCK = threading.Lock()
+def van_der_corput(n: int) -> float:
+    """n's binary digits mirrored after the point: 0, 1/2, 1/4, 3/4, 1/8, 5/8, 3/8, 7/8, ..."""
+    x, scale = 0.0, 0.5
+    while n:
+        x += scale * (n & 1)
+        n, scale = n >> 1, scale / 2
+    return x
+
+
+class _Quantile:
+    """One draw of TinySampler: the number u it decodes, token by token (see TinySampler)."""
+
+    RESOLUTION = 1e-6  # u's float64 error (2^-53, grown by 1/p at every token) above which u is spent
+
+    def __init__(self, seed: int, context: tuple[int, ...], n: int):
+        key = f"{seed}/{context}"
+        offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+        self.u = (offset + van_der_corput(n)) % 1.0
+        self.error = 2.0**-53
+        self.fresh = random.Random(f"{key}/{n}")
+
+    def token(self, probs: torch.Tensor) -> int:
+        if self.error > self.RESOLUTION:
+            self.u, self.error = self.fresh.random(), 2.0**-53
+        p = probs.double()
+        cdf = torch.cumsum(p, 0) / p.sum()
+        tok = int(torch.searchsorted(cdf, torch.tensor([self.u], dtype=torch.float64), right=True)[0])
+        tok = min(tok, int(p.nonzero().max()))  # a u rounded up to the top edge: the last possible token
+        low = float(cdf[tok - 1]) if tok else 0.0
+        width = float(cdf[tok]) - low
+        self.u = min(max((self.u - low) / width, 0.0), 1.0 - 2.0**-53)
+        self.error /= width
+        return tok
+
+
 # No logical CPU: the head's few CPUs go to NeMo-RL's own actors (environment, collector, buffer).
 _SamplerActor = ray.remote(num_cpus=0)(TinySampler)
 RAY_TIMEOUT_S = 300
@@ -442,26 +576,14 @@ class CPUGenerationStandIn(GenerationInterface):
     async def generate_async(self, data: BatchedDataDict, greedy: bool = False):
         if self.actor is None:
             raise NotImplementedError("the async engine is modelled for non-colocated generation only")
-        # One seed per (prompt, how often it was asked for): a group's samples are the same whatever the
-        # collector threads' timing (its rows may come one request each).
-        refs = [
-            self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy, seed=self._next_seed(data, i))
-            for i in range(data.size)
-        ]
+        # One request per row, as vLLM's async engine streams them; the sampler counts the draws of each
+        # prompt, so a group's G rows are its first G draws in whatever order the collector's threads send them.
+        refs = [self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy) for i in range(data.size)]
         pending = {asyncio.ensure_future(self._await(i, ref)) for i, ref in enumerate(refs)}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 yield task.result()
-
-    def _next_seed(self, data: BatchedDataDict, row: int) -> int:
-        """A sampling seed fixed by the row's prompt tokens and how many times that prompt was asked for
-        before (ints hash the same in every process)."""
-        prompt = tuple(data["input_ids"][row, : int(data["input_lengths"][row])].tolist())
-        with _SEED_LOCK:
-            asked = self.__dict__.setdefault("_asked", {})
-            n = asked[prompt] = asked.get(prompt, -1) + 1
-        return hash((prompt, n)) & 0x7FFFFFFF
 
     @staticmethod
     async def _await(index: int, ref) -> tuple[int, BatchedDataDict]:

@@ -394,7 +394,7 @@ def test_the_example_config_validates_and_runs_on_a_local_model_and_dataset_from
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout[done.stdout.index("{") :])["step"] == 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 1
     assert (tmp_path / "run" / "hf_final" / "COMPLETE").is_file()
 
     (tmp_path / "empty").mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def _no_trainer_outlives_its_test():
             proc.wait(timeout=30)
 
 
-def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
+def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
         [
@@ -82,6 +83,7 @@ def _launch(config: Path, out: Path, *extra: str) -> subprocess.Popen:
             "--output-dir",
             str(out),
             "--resume",
+            *(["--json"] if json_summary else []),
             *extra,
         ],
         stdout=subprocess.PIPE,
@@ -185,14 +187,19 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     config, out = _write_config(tmp_path), tmp_path / "run"
-    proc = _launch(config, out, "train.max_steps=400")
+    proc = _launch(config, out, "train.max_steps=400", json_summary=False)
     _wait_for_checkpoint(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads(stdout[stdout.index("{") :])
-    assert summary["stopped_by_signal"] == "SIGTERM"
-    stopped = summary["step"]
+    # the end in words: where it stopped, and the command that continues it
+    lines = stdout.splitlines()
+    match = re.fullmatch(rf"stopped by SIGTERM at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
+                         r"step_(\d+)", lines[0])
+    assert match and match.group(1) == match.group(2), stdout
+    assert f"  bapo-nemo train {config} train.max_steps=400 --output-dir {out} --resume   # continue where it stopped" \
+        in lines, stdout
+    stopped = int(match.group(1))
     assert 2 <= stopped < 400
     assert complete_checkpoints(out)[-1].name == f"step_{stopped}"  # the step it finished, checkpointed
     assert not (out / "hf_final").exists()  # not done: a requeued job resumes
@@ -208,7 +215,9 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
     proc = _launch(config, out, "warmup.steps=1000000")  # hours of warm-up: only the stop ends it in time
     deadline = time.time() + 120
     while not (out / "mlflow_run_id").is_file():  # written when set-up ends, just before the warm-up
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()  # reading a live trainer's stderr would wait for the million-step warm-up
+            raise AssertionError(f"set-up did not end (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
         time.sleep(0.05)
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
@@ -230,7 +239,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
     assert rerun.returncode == 0, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
     assert summary["mlflow_run_id"] == run_id and summary["step"] == 1
-    assert summary["warmup_steps"] == 2
+    assert '"warmup_steps": 2,' in stdout  # a count prints as an integer
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
@@ -345,9 +354,10 @@ def test_replay_proximal_reference_stale_downweight_and_jsonl_tasks(tmp_path):
 
 def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_outcome():
     """A mini-batch whose groups all got one reward has zero advantage: P = N = 0, reported as rho = 1.
-    The step's share averages only the updates with signal; right and wrong lengths are logged apart."""
+    The step's share averages only the updates with signal, and a step with none logs no share; right and
+    wrong lengths are logged apart; frac_reward_zero_std counts the fresh groups whose rewards all agree."""
     from bapo_nemo.embedded.rl_step import StepOutcome
-    from bapo_nemo.embedded.trainer import _step_metrics
+    from bapo_nemo.embedded.step_metrics import frac_reward_zero_std, step_metrics
     from bapo_nemo.rollout import Rollout, RolloutGroup
 
     def rollout(n_tokens):
@@ -361,7 +371,122 @@ def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_
     ]
     outcome = StepOutcome([group], [], [[1.0, 0.0, 0.0]], updates, 0.0, 90, {},
                           {"start": 0.0, "generated": 1.0, "end": 2.0, "cpu": 2.0})
-    m = _step_metrics(outcome, version=3)
+    m = step_metrics(outcome, version=3)
     assert m["bapo/rho"] == pytest.approx(0.3) and m["bapo/rho_initial"] == pytest.approx(0.2)
     assert m["bapo/positive_mass"] == pytest.approx(1.0)  # other keys: the plain mean over updates
     assert m["train/response_length_correct"] == 10 and m["train/response_length_wrong"] == 40
+    assert m["frac_reward_zero_std"] == 0.0  # the one group's rewards 1, 0, 0 differ
+
+    no_signal = StepOutcome([group], [], [[0.0, 0.0, 0.0]], [updates[1]], 0.0, 90, {}, outcome.times)
+    m = step_metrics(no_signal, version=4)
+    assert "bapo/rho" not in m and "bapo/rho_initial" not in m and m["frac_reward_zero_std"] == 1.0
+    assert frac_reward_zero_std([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]) == pytest.approx(2 / 3)
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`bapo-nemo ARGS...` as a user types it, in `cwd`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "bapo_nemo.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False, env=env)
+
+
+def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_to_run_next(tmp_path):
+    """A user's tasks file whose reference answers the reward can never match (zero-padded to 40 digits; a
+    response has at most 36 tokens), run as a user runs it, progress bar on, from the directory that will
+    hold the run. Every group's rewards are all 0, so rho = P / (P + N) is 0 / 0 at every step: no rho is
+    logged, and a warning naming frac_reward_zero_std reaches the console, train.log and the MLflow run
+    once the streak reaches 3 steps (once, though step 4 continues it). The run's end gives the held-out
+    scores, the plot, the final model and the two commands to look at the run, which work as printed; the
+    progress bar and train.log name training and held-out accuracy apart; the last checkpoint's model
+    directory loads with from_pretrained as it is."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bapo_nemo.embedded.evaluation import encode_prompt
+    from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG
+    from bapo_nemo.embedded.tasks import TaskGenerator
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+    rows = [{"question": t.question, "answer": t.answer.zfill(40), "solution": t.solution}
+            for t in TaskGenerator(seed=5, max_ops=2).sample(48)]
+    for name, part in (("train.jsonl", rows[:40]), ("eval.jsonl", rows[40:])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    data = json.loads(json.dumps(TINY))
+    data["runtime"]["progress"] = True
+    data["task"].update(train_file="train.jsonl", eval_file="eval.jsonl")
+    data["train"]["max_steps"] = 4
+    data["eval"] = {"every": 2, "k": 2}
+    config = _write_config(tmp_path, data)
+    done = _cli("train", config.name, "--output-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["step"] >= 1]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    assert all(r["reward/mean"] == 0.0 and r["frac_reward_zero_std"] == 1.0 for r in rl)
+    assert not any("bapo/rho" in r or "bapo/rho_initial" in r for r in rl)
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    assert client.get_metric_history(run_id, "bapo/rho") == []
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "frac_reward_zero_std")] == [
+        (s, 1.0) for s in (1, 2, 3, 4)]
+    warning = client.get_run(run_id).data.tags[ZERO_SPREAD_TAG]
+    assert warning.startswith("no learning signal in steps 1-3: frac_reward_zero_std 1.00")
+    assert "every reward was 0" in warning
+    log = (run / "train.log").read_text()
+    assert done.stderr.count(warning) == 1 and log.count(warning) == 1
+
+    # one name per quantity: training accuracy in the step lines, held-out avg@k where it was evaluated
+    for r in rl:
+        line = f"step {r['step']}/4 reward 0 train_acc 0 c_low "
+        assert line in log, line
+    assert log.count(" heldout_avg@2 ") == 2  # steps 2 and 4
+    bar = done.stderr.replace("\r", "\n")
+    assert "heldout_avg@2=" in bar and " acc=" not in bar
+
+    start, end = records[0]["eval/avg_at_k"], records[-1]["eval/avg_at_k"]
+    experiment = client.get_experiment_by_name("bapo-embedded")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    page = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    assert done.stdout.splitlines() == [
+        "finished 4 RL steps after 10 warm-up steps in run",
+        f"  held-out avg@2: {start:.3f} after the warm-up -> {end:.3f} at step 4 ({end - start:+.3f})",
+        "  plot:        run/plots/training_dynamics.png",
+        "  final model: run/hf_final  (AutoModelForCausalLM.from_pretrained)",
+        "next:",
+        f"  mlflow ui --backend-store-uri sqlite:///run/mlflow.db   # then open {page}",
+        "  bapo-nemo report --experiment bapo-embedded --tracking-uri sqlite:///run/mlflow.db",
+        "  (for scripts: run/summary.json, or --json)",
+    ]
+    assert (run / "plots" / "training_dynamics.png").is_file() and (run / "hf_final" / "COMPLETE").is_file()
+    report = _cli(*done.stdout.splitlines()[6].split()[1:], cwd=tmp_path)
+    assert report.returncode == 0 and f"wrote {run / 'report_bapo-embedded' / 'report.html'}" in report.stdout
+
+    checkpoint = run / "checkpoints" / "step_4" / "model"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    final = AutoModelForCausalLM.from_pretrained(run / "hf_final")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), final.state_dict().values()))
+    assert tokenizer("7+5-3?")["input_ids"] == encode_prompt(load_tokenizer(), "7+5-3?")
+
+
+@pytest.mark.parametrize("mistake", ["tracking server down", "tasks without solutions"])
+def test_a_failed_run_log_ends_with_the_line_the_console_ends_with(tmp_path, mistake):
+    """A set-up failure (the tracking server is down: after "starting fresh") and a failure in the warm-up
+    (no solutions to warm up on: an unexpected error) both end train.log with the console's last line."""
+    data = json.loads(json.dumps(TINY))
+    if mistake == "tracking server down":
+        data["tracking"]["tracking_uri"] = "http://127.0.0.1:9"
+    else:
+        (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": f"{a}+1?", "answer": str(a + 1)}) + "\n"
+                                                      for a in range(1, 10)))
+        data["task"]["train_file"] = "tasks.jsonl"
+    done = _cli("train", _write_config(tmp_path, data).name, "--output-dir", "run", cwd=tmp_path)
+    assert done.returncode == (2 if mistake == "tracking server down" else 1), done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not create an MLflow run" if mistake == "tracking server down"
+                           else "bapo-nemo train: error: ValueError: ")
+    log = (tmp_path / "run" / "train.log").read_text().strip().splitlines()
+    assert log[-1].split(" ", 1)[1] == last  # after the timestamp

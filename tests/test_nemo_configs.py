@@ -17,7 +17,7 @@ from bapo_nemo.plan.config_io import load_nemo_config
 from bapo_nemo.plan.schema import known_keys
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-OURS = ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml"]
+OURS = ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"]
 
 
 # ---- CPU: the driver refuses what `bapo-nemo check` refuses ---------------------------------------
@@ -136,17 +136,27 @@ if sys.version_info < (3, 12):
     import typing_extensions
     typing.TypedDict = typing_extensions.TypedDict
 from nemo_rl.algorithms.grpo import MasterConfig
+from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
 from bapo_nemo.plan.config_io import load_nemo_config
 for path in sys.argv[1:]:
     mc = MasterConfig(**load_nemo_config(path))
     assert mc.loss_fn.model_extra["bapo"]["rho0"] == 0.4, "the bapo block must survive validation"
+    block = (mc.model_extra or {}).get("partial_rollouts")
+    if block is not None:  # the shipped block installs as the driver installs it
+        max_new = mc.policy["generation"]["max_new_tokens"]
+        hook = install_partial_rollouts(mc, patch_grpo=False)
+        assert mc.policy["generation"]["max_new_tokens"] == block["token_budget"], path
+        assert hook.response_cap == max_new and hook.prefill_batches == block["prefill_batches"], path
+        assert hook.config.max_segments * hook.config.token_budget >= hook.response_cap, "cut before the cap"
+        hook.uninstall()
 print("ok")
 """
 
 
 @pytest.mark.nemo_rl
 def test_master_config_validates():
-    """v0.7.0's MasterConfig (pydantic) accepts our configs and keeps loss_fn.bapo (extra="allow").
+    """v0.7.0's MasterConfig (pydantic) accepts our configs and keeps loss_fn.bapo (extra="allow"); the
+    presets' partial_rollouts blocks install on it (budget, response cap, pool; no response cut early).
     In a subprocess: on Python < 3.12 it patches typing.TypedDict, which must not leak into other tests."""
     import subprocess
 

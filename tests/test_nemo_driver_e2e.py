@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bapo_nemo.embedded.tokenizer import build_tokenizer
+
 pytestmark = pytest.mark.nemo_rl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +56,7 @@ def ray_head():
     address = f"127.0.0.1:{port}"
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address
-    deadline = time.time() + 90
+    deadline = time.time() + 300  # a hang guard: a loaded 2-core machine took 25 s at load 10
     while True:
         try:
             ray.init(address=address, log_to_driver=False)
@@ -107,7 +109,7 @@ def tiny_assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
     return {
         "model": write_tiny_model(root / "tiny_qwen2"),
-        "train": write_math_jsonl(root / "train.jsonl", 64),
+        "train": write_math_jsonl(root / "train.jsonl"),  # the 30 prompts, each once
         # One store for the module, an experiment per test: MLflow's fluent API in one process does not
         # follow a second sqlite URI (v0.7.0's MLflowLogger then creates its run in the first store).
         "mlflow": f"sqlite:///{root / 'mlflow.db'}",
@@ -222,10 +224,41 @@ def loss_inputs(call, reference: str = "generation_logprobs"):
     return ratio, data["advantages"][:, 1:], mask
 
 
+def advantage_signs_by_prompt(calls) -> dict[tuple[int, ...], set[int]]:
+    """The signs of the advantages the loss saw, per GRPO group (the rows of one prompt, up to its "?")."""
+    question_mark = build_tokenizer().convert_tokens_to_ids("?")
+    signs: dict[tuple[int, ...], set[int]] = {}
+    for call in calls:
+        _, advantages, mask = loss_inputs(call)
+        for i, ids in enumerate(call["data"]["input_ids"].tolist()):
+            prompt = tuple(ids[: ids.index(question_mark) + 1])
+            signs.setdefault(prompt, set()).update(int(x) for x in advantages[i][mask[i] > 0].sign().unique())
+    return signs
+
+
+def signal_tokens(call) -> float:
+    """Tokens of one loss call with a non-zero advantage (the weight of its rho, rho_initial)."""
+    _, advantages, mask = loss_inputs(call)
+    return float(((mask > 0) & (advantages != 0)).sum())
+
+
 def used(call, name: str) -> float:
-    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global)."""
-    n_local = float(loss_inputs(call)[2].sum())
+    """A per-micro-batch BAPO value the loss reported (emitted token-weighted: v * n_local / global; rho and
+    rho_initial weighted by the signal tokens instead)."""
+    n_local = signal_tokens(call) if name.startswith("rho") else float(loss_inputs(call)[2].sum())
     return call["metrics"][f"bapo/{name}"] * call["global_valid_toks"] / n_local
+
+
+def zero_spread_share(calls) -> float:
+    """Share of the valid samples of these loss calls whose advantages are all 0, computed here."""
+    tied = valid = 0
+    for call in calls:
+        _, advantages, mask = loss_inputs(call)
+        for row in range(len(advantages)):
+            if call["data"]["sample_mask"][row] > 0:
+                valid += 1
+                tied += int(not bool((advantages[row][mask[row] > 0] != 0).any()))
+    return tied / valid
 
 
 @pytest.mark.parametrize("granularity", ["microbatch", "step"])
@@ -249,7 +282,8 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     inputs, used_bounds = loss_inputs, lambda call: (used(call, "c_low"), used(call, "c_high"))
 
     groups = [calls[i : i + 2] for i in range(0, len(calls), 2)]  # the micro-batches of one optimizer step
-    for group in groups:
+    rho_parts = {1: [], 2: []}  # GRPO step -> (rho searched, signal tokens / the optimizer step's tokens)
+    for index, group in enumerate(groups):
         if granularity == "microbatch":
             expected = [search_clip_bounds(*inputs(c), options) for c in group]
         else:
@@ -259,8 +293,15 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
         for call, want in zip(group, expected):
             got = used_bounds(call)
             assert got == pytest.approx((want.c_low, want.c_high), abs=1e-6)
+            rho_parts[1 + index // 2].append((want.rho, signal_tokens(call) / float(call["global_valid_toks"])))
         if granularity == "step":
             assert used_bounds(group[0]) == pytest.approx(used_bounds(group[1]), abs=1e-9)
+    # What makes those searches non-trivial (the premise in tests/nemo_cpu_standins.py): every group the
+    # warm-started weights sampled (step 1) holds a right and a wrong answer, so every token those loss
+    # calls weighed had a non-zero advantage, of both signs. Step 2 samples from weights two optimizer steps
+    # further, which the premise does not cover (they already favour the right answer).
+    signs = advantage_signs_by_prompt(calls[:4])
+    assert len(signs) == 2 and all(s == {-1, 1} for s in signs.values()), signs
 
     # The MLflow run NeMo-RL's Logger wrote carries the BAPO metrics for both steps.
     import mlflow
@@ -271,6 +312,82 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert sorted(m.step for m in history) == [1, 2]
     assert all(options.c_high_min - 1e-6 <= m.value <= options.c_high_max + 1e-6 for m in history)
     assert run.data.tags.get("bapo.runtime") == "nemo_rl"
+    # Per step: rho is the mean of the searches' rho weighted by their signal tokens (undefined without
+    # any), and frac_reward_zero_std the share of responses whose group tied (0 in step 1 by construction).
+    logged = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"train/{name}")}
+              for name in ("bapo/rho", "frac_reward_zero_std")}
+    for step, parts in rho_parts.items():
+        signal = sum(w for _, w in parts)
+        if signal > 0:
+            assert logged["bapo/rho"][step] == pytest.approx(sum(r * w for r, w in parts) / signal, abs=1e-6)
+        else:
+            assert step not in logged["bapo/rho"]
+        assert logged["frac_reward_zero_std"][step] == pytest.approx(zero_spread_share(calls[4 * (step - 1) : 4 * step]))
+    assert logged["frac_reward_zero_std"][1] == 0.0
+
+
+def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray_head, standins, tiny_assets):
+    """loss_fn.bapo.step_bounds_sample: 0.5 through the real loop. 4 prompts x 2 samples, 2 optimizer
+    steps of 2 groups per rollout batch, micro-batches of one group: the first step of each rollout batch
+    clips with the search over its whole global batch, the second with the search over one of its two
+    groups (the sampled one) at the current weights."""
+    import torch
+
+    from bapo_nemo.algorithm import search_clip_bounds
+
+    config = tiny_config(
+        tmp_path, tiny_assets, "step",
+        grpo={"num_prompts_per_step": 4, "num_generations_per_prompt": 2},
+        loss_fn={"bapo": {"granularity": "step", "step_bounds_sample": 0.5}},
+    )
+    assert run_driver(config) == 0
+    calls = standins.TRAIN_CALLS
+    assert len(calls) == 8  # 2 GRPO steps x 2 optimizer steps x 2 micro-batches
+    options = bapo_options(config)
+    for start in range(0, 8, 4):
+        first, second = calls[start : start + 2], calls[start + 2 : start + 4]
+        parts = [loss_inputs(c) for c in first]
+        whole = search_clip_bounds(*(torch.cat([p[i] for p in parts]) for i in range(3)), options)
+        for call in first:
+            assert (used(call, "c_low"), used(call, "c_high")) == pytest.approx((whole.c_low, whole.c_high), abs=1e-6)
+        per_group = [search_clip_bounds(*loss_inputs(c), options) for c in second]
+        got = (used(second[0], "c_low"), used(second[0], "c_high"))
+        assert got == pytest.approx((used(second[1], "c_low"), used(second[1], "c_high")), abs=1e-9)
+        assert any(got == pytest.approx((r.c_low, r.c_high), abs=1e-6) for r in per_group)
+
+
+def test_the_generation_stand_in_draws_both_answers_in_every_group(tiny_assets):
+    """The premise of the GRPO tests here, on the warm-started model the tests use: 4 draws of each of the
+    30 prompts hold its right and its wrong response. And the draws of one context follow the model's law:
+    2^k draws land on a response set whose quantiles form an interval of length L (one token, then a
+    token pair) floor or ceil of 2^k L times."""
+    from collections import Counter
+
+    import torch
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    from tests.nemo_cpu_standins import TinySampler, _Quantile, math_prompts, wrong_answer
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False) for a, b in math_prompts()]
+    rows = torch.tensor([p for p in prompts for _ in range(4)])
+    cfg = {"max_new_tokens": 6, "_pad_token_id": tokenizer.pad_token_id,
+           "stop_token_ids": [tokenizer.eos_token_id], "temperature": 1.0}
+    out = TinySampler(str(tiny_assets["model"])).generate(
+        cfg, BatchedDataDict({"input_ids": rows, "input_lengths": torch.full((len(rows),), rows.shape[1])})
+    )
+    responses = tokenizer.batch_decode(out["output_ids"][:, rows.shape[1]:], skip_special_tokens=True)
+    for g, (a, b) in enumerate(math_prompts()):
+        group = responses[4 * g : 4 * g + 4]
+        assert f"{a}+{b}={a + b}" in group and f"{a}+{b}={wrong_answer(a, b)}" in group, group
+
+    first, second = torch.tensor([0.1, 0.25, 0.0, 0.65]), torch.tensor([0.3, 0.7, 0.0, 0.0])
+    draws = [_Quantile(seed=0, context=(7, 8), n=n) for n in range(64)]
+    pairs = Counter((q.token(first), q.token(second)) for q in draws)
+    for t1, p1 in enumerate(first.tolist()):
+        assert abs(sum(c for (a, _), c in pairs.items() if a == t1) - 64 * p1) < 1, (t1, pairs)
+        for t2, p2 in enumerate(second.tolist()):
+            assert abs(pairs[(t1, t2)] - 64 * p1 * p2) < 1, (t1, t2, pairs)
 
 
 def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
@@ -315,6 +432,8 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     - the ratio is taken against the generation-time log-probs: every call's bounds and initial positive
       share are search_clip_bounds' on ratio = pi_theta / pi_gen, and on the off-policy step the share
       against prev_logprobs would differ;
+    - every group holds a right and a wrong answer, so the searches weigh advantages of both signs (the
+      stand-ins' premise: all these samples come from the warm-started weights);
     - the BAPO metrics reach the MLflow run.
     Environment: the collector and buffer are registered to run in NeMo-RL's vLLM venv; inside the
     NGC-PyTorch image (docker/Dockerfile.ngc_pytorch, line 141: NEMO_RL_PY_EXECUTABLES_SYSTEM=1) they run
@@ -363,7 +482,10 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
         assert got == pytest.approx((float(raw.min()), float(raw.max())), rel=1e-5)
         against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
         gaps.append(float((valid - against_prev).abs().max()))
-    assert any(bool((loss_inputs(c)[1] != 0).any()) for c in calls)  # some searches had advantages to weigh
+    # Every group (all sampled by the warm-started weights) holds a right and a wrong answer: every token
+    # the searches weighed had a non-zero advantage, of both signs (the premise in nemo_cpu_standins.py).
+    signs = advantage_signs_by_prompt(calls)
+    assert len(signs) == 4 and all(s == {-1, 1} for s in signs.values()), signs
     # The generator's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
     # version old, so a ratio against prev_logprobs (the current policy's) would be another ratio.
     assert max(gaps[:4]) < 1e-4 and min(gaps[4:]) > 1e-3, gaps

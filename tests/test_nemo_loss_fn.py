@@ -206,12 +206,17 @@ def test_driver_builds_the_loss_from_master_config_sections():
         "dtensor_cfg": {"enabled": True, "tensor_parallel_size": 2, "context_parallel_size": 2},
         "train_global_batch_size": 64,
     }
-    mc = SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={"granularity": "step"}))
+    mc = SimpleNamespace(
+        policy=policy_cfg,
+        loss_fn=_loss_cfg(bapo={"granularity": "step"}),
+        grpo={"num_generations_per_prompt": 16, "seed": 3},
+    )
     fn = make_loss_fn(mc)
     assert (fn.dtensor_tp, fn.dtensor_cp) == (2, 2)
     policy = SimpleNamespace(train=lambda *a, **k: None)
     install_step_bounds(policy, fn, mc)
     assert isinstance(policy.train, StepBoundsTrainer) and policy.train.global_batch_size == 64
+    assert policy.train.group_size == 16  # step_bounds_sample samples whole prompt groups
     micro = SimpleNamespace(train=lambda *a, **k: None)
     install_step_bounds(
         micro, make_loss_fn(SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={}))), mc

@@ -28,6 +28,7 @@ from bapo_nemo.nemo.step_bounds import (
     attach_bounds,
     bounds_from_data,
     merge_train_results,
+    sampled_group_rows,
     search_result,
     search_step_bounds,
 )
@@ -132,6 +133,9 @@ class _Batch(dict):
     def slice(self, a, b):
         return _Batch({k: v[a:b] for k, v in self.items()})
 
+    def select_indices(self, rows):
+        return _Batch({k: v[rows] for k, v in self.items()})
+
 
 def _train_batch(n=4, s=5, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -196,6 +200,70 @@ def test_step_bounds_trainer_splits_calls_and_uses_extra_logprob_pass():
     assert out["all_mb_metrics"]["probs_ratio_max"] == [2.0, 2.0]
     assert out["all_mb_metrics"]["lr"] == [1e-6, 1e-6]
     assert out["loss"].tolist() == [1.0, 1.0]
+
+
+def test_sampled_group_rows_are_whole_groups_by_hand():
+    g = torch.Generator().manual_seed(0)
+    rows = sampled_group_rows(8, 2, 0.5, g)  # 4 groups of 2 -> 2 groups
+    assert len(rows) == 4 and rows == sorted(rows)
+    assert all(rows[i] % 2 == 0 and rows[i + 1] == rows[i] + 1 for i in range(0, 4, 2))
+    assert len(sampled_group_rows(8, 2, 0.01, g)) == 2  # at least one group
+    # 6 groups of 2, f 0.25 -> round(1.5) = 2 groups = 4 rows; 3 data-parallel ranks -> 3 groups
+    assert len(sampled_group_rows(12, 2, 0.25, g)) == 4
+    assert len(sampled_group_rows(12, 2, 0.25, g, row_multiple=3)) == 6
+    assert sampled_group_rows(4, 2, 0.5, g, row_multiple=8) == [0, 1, 2, 3]  # all groups, at most
+
+
+class _LogprobPolicy:
+    """Stand-in for NeMo-RL's Ray-backed Policy (needs GPUs): records the rows of each get_logprobs pass
+    and answers with fixed 'current' log-probs for them; train() returns a canned result."""
+
+    def __init__(self, current):
+        self.current, self.logprob_rows, self.train_calls = current, [], []
+
+    def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None):
+        self.train_calls.append(data)
+        return {"loss": torch.tensor([1.0]), "grad_norm": torch.tensor([0.5]), "all_mb_metrics": {}}
+
+    def get_logprobs(self, data, timer=None):
+        rows = [int(x) for x in data["row"]]
+        self.logprob_rows.append(rows)
+        return {"logprobs": self.current[rows]}
+
+
+@pytest.mark.parametrize("sample", [0.5, 0.0])
+def test_step_bounds_sample_searches_later_steps_on_a_sample(sample):
+    """Two optimizer steps of 4 rows (2 groups of 2): step 1 searches its whole batch on prev_logprobs;
+    step 2 searches one sampled group at the current log-probs (0.5), or its whole batch on
+    prev_logprobs without any extra pass (0)."""
+    options = NemoBAPOOptions.parse({"granularity": "step", "step_bounds_sample": sample})
+    batch = _train_batch(n=8, s=6, seed=4)
+    batch["row"] = torch.arange(8)
+    current = batch["prev_logprobs"] + 0.4 * torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    policy = _LogprobPolicy(current)
+    StepBoundsTrainer(policy, options, {}, global_batch_size=4, group_size=2, seed=1)(batch, loss_fn=None)
+    first = search_step_bounds(batch.slice(0, 4), batch["prev_logprobs"][:4], options, {})
+    assert float(policy.train_calls[0]["bapo_c_high"][0]) == first.c_high
+    second_batch = batch.slice(4, 8)
+    if sample == 0:
+        assert policy.logprob_rows == []
+        want = search_step_bounds(second_batch, second_batch["prev_logprobs"], options, {})
+    else:
+        [rows] = policy.logprob_rows
+        assert rows in ([4, 5], [6, 7])  # one whole group of the second global batch
+        picked = second_batch.select_indices([r - 4 for r in rows])
+        want = search_step_bounds(picked, current[rows], options, {})
+    got = policy.train_calls[1]
+    assert (float(got["bapo_c_low"][0]), float(got["bapo_c_high"][0])) == (want.c_low, want.c_high)
+    assert got.size == 4  # the bounds clip the whole step
+
+
+def test_step_bounds_sample_needs_whole_groups_in_a_global_batch():
+    options = NemoBAPOOptions.parse({"granularity": "step", "step_bounds_sample": 0.25})
+    with pytest.raises(ValueError, match="step_bounds_sample=0.25.*train_global_batch_size=6.*per_prompt=4"):
+        StepBoundsTrainer(_LogprobPolicy(None), options, {}, global_batch_size=6, group_size=4)
+    with pytest.raises(BAPOConfigError, match=r"loss_fn\.bapo\.step_bounds_sample"):
+        NemoBAPOOptions.parse({"step_bounds_sample": 1.5})
 
 
 def test_step_search_equals_core_search_on_the_whole_batch():

@@ -381,6 +381,39 @@ def test_hook_returns_grpo_shaped_batches_of_complete_groups():
             )
 
 
+class _TwoEngines:
+    """v0.7.0 VllmGeneration's `sharding_annotations` for two engines (its data_parallel axis)."""
+
+    def get_axis_size(self, name: str) -> int:
+        return {"data_parallel": 2}[name]
+
+
+def test_hook_deals_long_contexts_across_the_engines():
+    """The backend gives each engine a contiguous half of a call's rows: the hook orders the rows so the
+    longest contexts (resumed responses) are split between the halves, and every response still gets
+    its own segments back."""
+    hook = install_partial_rollouts(_master_config(), patch_grpo=False)
+    backend = ToyGenerationBackend(ToyPolicy(seed=5, vocab_size=4, eos_logit_bias=-1.5), max_new_tokens=4)
+    backend.sharding_annotations = _TwoEngines()
+    results = _run_steps(hook, backend, hook.wrap_dataloader(_batches(5)), steps=4)
+    resumed_calls = 0
+    for contexts in backend.calls:
+        lengths = [len(c) for c in contexts]
+        half = -(-len(lengths) // 2)
+        first, second = lengths[:half], lengths[half:]
+        assert first == sorted(first, reverse=True) and second == sorted(second, reverse=True)
+        if second:
+            assert first[0] == max(lengths) and second[0] == sorted(lengths)[-2]
+            assert abs(sum(first) - sum(second)) <= max(lengths)
+        resumed_calls += sum(n > 2 for n in lengths) >= 2
+    assert resumed_calls  # some calls held several resumed responses
+    for final, _ in results:
+        for log in final["message_log"]:
+            prompt = [t for m in log[:-1] for t in m["token_ids"].tolist()]
+            tokens, logprobs = log[-1]["token_ids"].tolist(), log[-1]["generation_logprobs"].tolist()
+            assert logprobs == pytest.approx(_logprobs_from_segments(backend.policy, prompt, tokens), abs=1e-6)
+
+
 def _logprobs_from_segments(policy: ToyPolicy, prompt: list[int], tokens: list[int]) -> list[float]:
     """Rebuild a response from the generator's log: the segment at position k must have been generated
     from context prompt + tokens[:k] (possibly cut at the length cap)."""

@@ -66,7 +66,7 @@ def _errors(findings):
 
 @pytest.mark.parametrize(
     "name,nodes",
-    [("bapo_7b.yaml", 1), ("bapo_32b.yaml", 8), ("bapo_32b_64k.yaml", 8)],
+    [("bapo_7b.yaml", 1), ("bapo_32b.yaml", 8), ("bapo_32b_64k.yaml", 8), ("bapo_32b_partial.yaml", 8)],
 )
 def test_shipped_configs_pass_and_fit_on_h100(name, nodes):
     config, findings, mem, plan = run_check(_args(CONFIGS / name, nodes, 8))
@@ -264,7 +264,7 @@ def test_partial_rollout_block_is_checked():
     assert "partial_rollouts" not in _errors(findings)
 
 
-@pytest.mark.parametrize("name", ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml"])
+@pytest.mark.parametrize("name", ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"])
 def test_every_key_of_the_shipped_configs_is_a_v070_key(name):
     """The key check of `bapo-nemo check` (v0.7.0's key list) finds nothing unknown in our configs, and
     does find a misspelt key added to them."""

@@ -13,18 +13,17 @@ import yaml
 
 from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.engine_sim import engine_for
+from bapo_nemo.plan.generation import RolloutShape, response_moments, simulate_without_partial
 from bapo_nemo.plan.models import BUILTIN, ModelShape
+from bapo_nemo.plan.search_stats import LengthModel
 from bapo_nemo.plan.signal_lead import lead_warning, shipped_sbatch, signal_line
 from bapo_nemo.plan.step_time import (
-    DECODE_MFU,
-    GPU_HBM_BYTES_PER_S,
     GPU_PEAK_BF16_FLOPS,
-    HBM_EFFICIENCY,
     TRAIN_MFU,
     StepShape,
     StepTimeEstimate,
     estimate_step_time,
-    generation_seconds,
     logprob_passes,
     shape_from_config,
 )
@@ -43,19 +42,14 @@ def _shape(**kw) -> StepShape:
     base = {
         "samples": 8,
         "tokens_per_sample": 100.0,
-        "max_tokens_per_sample": 100,
+        "tokens_squared_per_sample": 100.0**2,
         "optimizer_steps": 1,
         "logprob_passes": 1.0,
+        "bapo_passes": 0.0,
         "activation_recompute": False,
         "fp8_train": False,
         "train_gpus": 1,
-        "generation_gpus": 2,
-        "engine_gpus": 1,
-        "generation_weight_bytes_per_param": 2.0,
-        "kv_bytes_per_element": 2.0,
-        "gpu_memory_utilization": 0.5,
         "save_bytes_per_param": 14.0,
-        "validation_samples": 0,
     }
     base.update(kw)
     return StepShape(**base)
@@ -66,60 +60,41 @@ def test_tiny_parameter_count():
 
 
 def test_training_and_logprob_flops_by_hand():
-    # per token: 2N = 404,096 plus attention 2 * layers * q * seq = 2*2*64*100 = 25,600 -> 429,696;
-    # 8 samples x 100 tokens -> one forward pass over the batch = 343,756,800 FLOPs.
+    # per token: 2N = 404,096 plus attention 2 * layers * q * E[s^2] / E[s] = 2*2*64*100 = 25,600 ->
+    # 429,696; 8 samples x 100 tokens -> one forward pass over the batch = 343,756,800 FLOPs.
     forward = 343_756_800
     rate = GPU_PEAK_BF16_FLOPS["h100-80gb"] * TRAIN_MFU
-    est = estimate_step_time(TINY, _shape(), "h100-80gb", 1e9, nodes=1)
+    est = estimate_step_time(TINY, _shape(), "h100-80gb", 1, generation_s=7.0, validation_s=3.0)
     assert est.train_s == pytest.approx(3 * forward / rate)  # forward + backward
     assert est.logprob_s == pytest.approx(1 * forward / rate)
+    assert (est.generation_s, est.validation_s) == (7.0, 3.0)  # from the generation model, as given
     recompute = estimate_step_time(
-        TINY, _shape(activation_recompute=True, logprob_passes=1.75), "h100-80gb", 1e9, 1
+        TINY, _shape(activation_recompute=True, logprob_passes=1.75, bapo_passes=0.75), "h100-80gb", 1, 0.0, 0.0
     )
     assert recompute.train_s == pytest.approx(4 * forward / rate)  # + the recomputed forward
     assert recompute.logprob_s == pytest.approx(1.75 * forward / rate)
+    assert recompute.bapo_s == pytest.approx(0.75 * forward / rate)
+    assert recompute.bapo_share == pytest.approx(0.75 / (1.75 + 4))
     # 8 training GPUs: one eighth of the time
-    assert estimate_step_time(TINY, _shape(train_gpus=8), "h100-80gb", 1e9, 1).train_s == pytest.approx(
+    assert estimate_step_time(TINY, _shape(train_gpus=8), "h100-80gb", 1, 0.0, 0.0).train_s == pytest.approx(
         3 * forward / rate / 8
     )
-
-
-def test_generation_waves_by_hand():
-    """Two engines of one GPU share 8 samples: 4 each. bf16 weights 404,096 B per GPU; KV per token
-    2 (K,V) * 2 layers * 32 * 2 B = 256 B. Capacity 928,192 B at utilisation 0.5 leaves a KV pool of
-    464,096 - 404,096 = 60,000 B = 2 sequences of 100 tokens (25,600 B each) -> 2 waves.
-    A wave: 100 decode steps, each reading the weights plus the live KV cache (2 seqs x 50 tokens on
-    average): 100 * (404,096 + 2 * 256 * 50) = 42,969,600 B, memory-bound (its compute,
-    2 * 100 * 429,696 = 85.9 MFLOP, takes ~0.25 us at 35% of 989 TFLOPS; the reads ~18 us)."""
-    shape = _shape()
-    expected = 2 * 42_969_600 / (GPU_HBM_BYTES_PER_S["h100-80gb"] * HBM_EFFICIENCY)
-    assert generation_seconds(TINY, shape, 8, "h100-80gb", 928_192) == pytest.approx(expected)
-    # H200: the same bytes at 4.8 TB/s
-    assert generation_seconds(TINY, shape, 8, "h200-141gb", 928_192) == pytest.approx(expected * 3.35 / 4.8)
-    # a KV pool holding all 4 sequences: one wave with twice the live KV cache
-    one_wave = 100 * (404_096 + 4 * 256 * 50) / (GPU_HBM_BYTES_PER_S["h100-80gb"] * HBM_EFFICIENCY)
-    assert generation_seconds(TINY, shape, 8, "h100-80gb", 2 * (404_096 + 102_400)) == pytest.approx(one_wave)
-
-
-def test_generation_compute_bound_with_many_short_sequences():
-    """1,000 sequences of 10 tokens on one engine, all at once (a large pool). Per wave of 10 decode
-    steps: reads 10 * (404,096 + 1,000 * 256 * 5) = 16,840,960 B (7.2 us at 0.7 x 3.35 TB/s); computes
-    1,000 * 10 * (404,096 + 2*2*64*10) = 4,066,560,000 FLOPs (11.7 us at 0.35 x 989.4 TFLOPS): the
-    compute term wins."""
-    shape = _shape(samples=1000, tokens_per_sample=10.0, max_tokens_per_sample=10, generation_gpus=1)
-    memory = 16_840_960 / (GPU_HBM_BYTES_PER_S["h100-80gb"] * HBM_EFFICIENCY)
-    compute = 4_066_560_000 / (GPU_PEAK_BF16_FLOPS["h100-80gb"] * DECODE_MFU)
-    assert compute > memory
-    assert generation_seconds(TINY, shape, 1000, "h100-80gb", 10e9) == pytest.approx(compute)
+    # a heavy tail: E[s^2] = 2 x 100^2 doubles the attention part (2*2*64 * 20,000 per sequence)
+    tail = estimate_step_time(TINY, _shape(tokens_squared_per_sample=2e4), "h100-80gb", 1, 0.0, 0.0)
+    assert tail.train_s == pytest.approx(3 * (forward + 8 * 2 * 2 * 64 * 1e4) / rate)
 
 
 def test_save_time_and_lead_by_hand():
     # 14 bytes per parameter (bf16 weights + fp32 main weights + 2 Adam moments) over 2 nodes at 0.5 GB/s
-    est = estimate_step_time(TINY, _shape(), "h100-80gb", 1e9, nodes=2, fs_write_gbps_per_node=0.5)
+    est = estimate_step_time(TINY, _shape(), "h100-80gb", 2, 0.0, 0.0, fs_write_gbps_per_node=0.5)
     assert est.save_s == pytest.approx(14 * N / 1e9)
     assert estimate_step_time(
-        TINY, _shape(save_bytes_per_param=2.0), "h100-80gb", 1e9, 1
+        TINY, _shape(save_bytes_per_param=2.0), "h100-80gb", 1, 0.0, 0.0
     ).save_s == pytest.approx(2 * N / 1e9)
+    # the partial-rollout state written into the same checkpoint
+    assert estimate_step_time(TINY, _shape(), "h100-80gb", 1, 0.0, 0.0, extra_save_bytes=1e9).save_s == (
+        pytest.approx((14 * N + 1e9) / 1e9)
+    )
     # lead = step (generation + log-prob + train) + validation + save + margin, up to a whole minute
     assert StepTimeEstimate(100, 20, 50, 0, 30, 120).recommended_lead_s == 360  # 320 s
     assert StepTimeEstimate(100, 20, 50, 10, 0, 120).recommended_lead_s == 300  # exactly 300 s
@@ -136,6 +111,11 @@ def test_save_time_and_lead_by_hand():
         ({"reference_policy_kl_penalty": 0.0, "bapo": {"enabled": True, "granularity": "step"}}, {}, 1.75),
         ({"reference_policy_kl_penalty": 0.0, "bapo": {"enabled": True, "granularity": "microbatch"}}, {}, 1),
         ({"reference_policy_kl_penalty": 0.0, "bapo": {"enabled": False, "granularity": "step"}}, {}, 1),
+        # step_bounds_sample: the extra pass over half the groups, or none
+        ({"reference_policy_kl_penalty": 0.0, "bapo": {"enabled": True, "granularity": "step",
+                                                        "step_bounds_sample": 0.5}}, {}, 1.375),
+        ({"reference_policy_kl_penalty": 0.0, "bapo": {"enabled": True, "granularity": "step",
+                                                        "step_bounds_sample": 0}}, {}, 1),
     ],
 )
 def test_logprob_passes_follow_the_config(loss_fn, grpo, passes):
@@ -145,20 +125,20 @@ def test_logprob_passes_follow_the_config(loss_fn, grpo, passes):
 
 def test_shipped_7b_config_shape_and_granularity_step_costs_more():
     config = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["loss_fn.bapo.granularity=microbatch"])
-    shape = shape_from_config(config, train_gpus=8, generation_gpus=0)
-    # 64 prompts x 16 = 1,024 samples, 4 optimizer steps of 256, FP8 training with recompute, FP8 vLLM
-    # TP 2, 960 validation samples (val_period 10), KL 0 and skip_reference: prev_logprobs only.
-    assert (shape.samples, shape.optimizer_steps, shape.logprob_passes) == (1024, 4, 1.0)
-    assert shape.activation_recompute and shape.fp8_train and shape.engine_gpus == 2
-    assert shape.generation_weight_bytes_per_param == 1.0 and shape.validation_samples == 960
-    assert shape.tokens_per_sample == shape.max_tokens_per_sample == 34816
+    shape = shape_from_config(config, train_gpus=8, tokens_per_sample=12000.0)
+    # 64 prompts x 16 = 1,024 samples, 4 optimizer steps of 256, FP8 training with recompute, KL 0 and
+    # skip_reference: prev_logprobs only.
+    assert (shape.samples, shape.optimizer_steps, shape.logprob_passes, shape.bapo_passes) == (1024, 4, 1.0, 0.0)
+    assert shape.activation_recompute and shape.fp8_train
+    assert shape.tokens_squared_per_sample == 12000.0**2
     step = load_nemo_config(CONFIGS / "bapo_7b.yaml", [])  # the shipped granularity is step
-    step_shape = shape_from_config(step, 8, 0)
-    assert step_shape.logprob_passes == 1.75
+    step_shape = shape_from_config(step, 8, 12000.0)
+    assert (step_shape.logprob_passes, step_shape.bapo_passes) == (1.75, 0.75)
     model = BUILTIN["deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"]
-    a = estimate_step_time(model, shape, "h100-80gb", 80e9, 1)
-    b = estimate_step_time(model, step_shape, "h100-80gb", 80e9, 1)
+    a = estimate_step_time(model, shape, "h100-80gb", 1, 0.0, 0.0)
+    b = estimate_step_time(model, step_shape, "h100-80gb", 1, 0.0, 0.0)
     assert b.logprob_s == pytest.approx(1.75 * a.logprob_s) and b.train_s == a.train_s
+    assert b.bapo_s == pytest.approx(0.75 * a.logprob_s) and a.bapo_s == 0
 
 
 # NeMo-RL v0.7.0's performance recipe grpo-qwen3-32b-4n8g (values as in tests/test_plan_check.py,
@@ -177,19 +157,31 @@ policy:
     vllm_cfg: {tensor_parallel_size: 4, gpu_memory_utilization: 0.6, precision: bfloat16}
 """
 # Published: 571 tokens/s/GPU and 376 s/step on 32 GPUs -> 571 * 376 * 32 = 6.87M tokens per step,
-# 3,355 per sample of 2,048 (0.819 of 4,096).
+# 3,355 per sample of 2,048 (0.819 of 4,096): ~150 prompt tokens (NeMo-RL's v0.4 table gives 3,206
+# generated tokens on average for the same recipe) and 3,205 response tokens.
 ANCHOR_STEP_S = 376.0
-# The estimate leaves out refit, offload/onload and data movement, so it should land somewhat low; it
-# must stay within 25% of the published step (it lands at ~324 s, -14%).
+# Response lengths: our log-normal shape (sigma 0.8) with the median that gives that mean under the
+# 3,946-token cap (most responses of a thinking model hit a 4k cap); the test checks the mean.
+ANCHOR_MEDIAN, ANCHOR_RESPONSE_MEAN = 4234.3, 571 * 376 * 32 / 2048 - 150
+# The estimate leaves out refit, offload/onload, data movement and the driver's reward grading, so it
+# should land low; it must stay within 25% of the published step (it lands at ~291 s, -23%).
 ANCHOR_TOLERANCE = 0.25
 
 
 def test_anchor_nemo_rl_qwen3_32b_h100():
+    """The continuous-batching generation model plus the log-prob and training estimate, on NeMo-RL's
+    published Qwen3-32B step: 8 vLLM engines of TP 4 (bf16), 2,048 responses of a 4,096-token sequence."""
     config = yaml.safe_load(ANCHOR_RECIPE)
-    fill = 571 * 376 * 32 / (2048 * 4096)
-    shape = shape_from_config(config, train_gpus=32, generation_gpus=0, fill=fill)
+    model = BUILTIN["Qwen/Qwen3-32B"]
+    engine = engine_for(model, "h100-80gb", 80e9, 4, 2.0, 2.0, 0.6)
+    rollout = RolloutShape(8, engine, 64, 32, 150, 4096, 4096)
+    lengths = LengthModel(4096, ANCHOR_MEDIAN, 0.8)
+    mean, mean_squared = response_moments(rollout, lengths)
+    assert mean - 150 == pytest.approx(ANCHOR_RESPONSE_MEAN, rel=0.002)
+    generation = simulate_without_partial(rollout, lengths, steps=2)
+    shape = shape_from_config(config, train_gpus=32, tokens_per_sample=mean, tokens_squared_per_sample=mean_squared)
     assert (shape.samples, shape.optimizer_steps, shape.logprob_passes) == (2048, 1, 1.0)  # reference only
-    est = estimate_step_time(BUILTIN["Qwen/Qwen3-32B"], shape, "h100-80gb", 80e9, nodes=4)
+    est = estimate_step_time(model, shape, "h100-80gb", 4, generation.generation_s, 0.0)
     assert est.step_s == pytest.approx(ANCHOR_STEP_S, rel=ANCHOR_TOLERANCE)
     assert est.step_s < ANCHOR_STEP_S  # the unmodelled overheads are all positive
 
@@ -257,12 +249,21 @@ def test_check_save_time_follows_the_bandwidth_flag(capsys):
 
 
 def test_check_mean_length_share_scales_the_passes(capsys):
-    """Log-prob and training FLOPs are per token: half the mean length at least halves them (attention
-    grows with the length too, so more than half)."""
+    """--mean-length-share S puts every sample at S x max_total_sequence_length (responses still stop
+    at the cap): log-prob and training FLOPs per sample are 2N s + 2 L q s^2, and generation is shorter."""
     args = (str(CONFIGS / "bapo_32b.yaml"), "--nodes", "8", "--gpus-per-node", "8")
     _, full = _check(capsys, *args, "--mean-length-share", "1")
     _, half = _check(capsys, *args, "--mean-length-share", "0.5")
-    assert half["step_time_s"]["training"] < full["step_time_s"]["training"] / 2
+    model = BUILTIN["deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"]
+
+    def flops(s):
+        return 2 * model.num_parameters() * s + 2 * model.num_layers * model.q_dim * s * s
+
+    # half: 20,480 tokens; full: 40,960 - 150 prompt tokens = 40,810 cut at the 32,768 cap -> 32,918
+    ratio = half["step_time_s"]["training"] / full["step_time_s"]["training"]
+    assert ratio == pytest.approx(flops(20480) / flops(32918))
     assert half["step_time_s"]["generation"] < full["step_time_s"]["generation"]
+    assert full["generation"]["response_tokens_mean"] == 32768
+    assert full["generation"]["without_partial_rollouts"]["truncated_share"] == 1
     rc, bad = _check(capsys, *args, "--mean-length-share", "1.5")
     assert rc == 1 and any(f["key"] == "--mean-length-share" for f in bad["findings"])

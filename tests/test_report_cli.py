@@ -133,3 +133,78 @@ def test_rho_panel_target_comes_from_the_runs_that_search(store, tmp_path):
     off = RunData("x", "fixed", "FINISHED", {"loss.bapo.enabled": "False", "loss.bapo.rho0": "0.4"})
     other = RunData("y", "rho05", "FINISHED", {"loss.bapo.enabled": "True", "loss.bapo.rho0": "0.5"})
     assert target_shares([off, other, *result.runs]) == [0.5, 0.4]
+
+
+def _one_run(store, name: str, steps: dict[int, dict[str, float]]):
+    """A run of experiment "figure" in the module's store with the given metrics per step, loaded back as
+    the report loads it."""
+    from bapo_nemo.tracking.report import load_run
+
+    uri = store["uri"]
+    tracker = MlflowTracker(uri, "figure", run_name=name, buffer_dir=store["root"] / "buf")
+    run_id = tracker.start({"loss": {"bapo": {"rho0": 0.5}}}, {})
+    for step, metrics in steps.items():
+        tracker.log_metrics(metrics, step=step)
+    tracker.finish()
+    client = MlflowClient(uri)
+    return load_run(client, client.get_run(run_id))
+
+
+def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, tmp_path):
+    """rho is undefined in steps 3 and 4 (every group's rewards equal: the trainer logs no rho there) and
+    the entropy moves by 1e-5 around 6.1347 (matplotlib's default labels that axis `1e-5+6.1347`). The rho
+    line breaks at 3 and 4; each multi-series panel names its series in its own legend; the run is named
+    once, in the title; no axis uses an offset."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    from bapo_nemo.tracking.report import draw_panels, plot_panels
+
+    steps = {}
+    for step in range(1, 7):
+        undefined = step in (3, 4)
+        steps[step] = {"reward/mean": 0.0 if undefined else 0.5, "frac_reward_zero_std": 1.0 if undefined else 0.25,
+                       "entropy": 6.1347 + 1e-5 * (step % 2), "bapo/c_low": 0.6, "bapo/c_high": 1.2 + 0.1 * step,
+                       "grad_norm": 0.0 if undefined else 1.0, "train/response_length_mean": 10.0}
+        if not undefined:
+            steps[step].update({"bapo/rho": 0.48, "bapo/rho_initial": 0.45})
+    run = _one_run(store, "zero-spread", steps)
+    fig, _ = draw_panels([run])
+    fig.canvas.draw()
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    rho = axes["Positive contribution rho"]
+    chosen, starting = rho.lines[0], rho.lines[1]
+    assert list(chosen.get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert [math.isnan(y) for y in chosen.get_ydata()] == [False, False, True, True, False, False]
+    assert list(starting.get_ydata())[:2] == [0.45, 0.45] and math.isnan(starting.get_ydata()[2])
+    legends = {title: [t.get_text() for t in ax.get_legend().get_texts()]
+               for title, ax in axes.items() if ax.get_legend()}
+    assert legends == {
+        "Training reward": ["mean reward", "groups with zero reward spread"],
+        "Positive contribution rho": ["rho at the chosen bounds", "rho at the starting bounds", "target rho0 = 0.5"],
+        "Clip bounds": ["c_high", "c_low"],
+    }
+    clip_styles = [h.get_linestyle() for h in axes["Clip bounds"].get_legend().legend_handles]
+    assert clip_styles[0] != clip_styles[1]
+    assert fig._suptitle.get_text() == f"run {run.label}" and not fig.legends
+    for title, ax in axes.items():
+        assert ax.yaxis.get_offset_text().get_text() == "", title
+    low, high = axes["Policy entropy"].get_ylim()
+    assert high - low >= 0.01 * 6.1347 * 0.999  # a flat curve reads as flat
+    plt.close(fig)
+
+    two = [run, _one_run(store, "other", {1: {"reward/mean": 0.2}})]
+    fig, _ = draw_panels(two)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [r.label for r in two]
+    plt.close(fig)
+    plot_panels([run], tmp_path / "zero_spread.png")  # renders
+
+
+def test_rho_panel_says_why_it_is_empty_when_no_step_had_reward_spread(store):
+    from bapo_nemo.tracking.report import draw_panels
+
+    run = _one_run(store, "all-zero", {s: {"reward/mean": 0.0, "frac_reward_zero_std": 1.0} for s in (1, 2)})
+    fig, _ = draw_panels([run])
+    rho = next(ax for ax in fig.axes if ax.get_title() == "Positive contribution rho")
+    assert "each group's" in rho.texts[0].get_text() and "same reward" in rho.texts[0].get_text()

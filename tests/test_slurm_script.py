@@ -87,59 +87,66 @@ def test_newest_checkpoint_is_the_highest_step_directory(tmp_path):
 
 
 # A driver that checkpoints on SIGUSR1 like the embedded trainer: it records the signal and exits 0.
+# Otherwise it runs until the test creates its FINISH file (or an hour passes), then exits with argv[2].
 FAKE_DRIVER = """
 import signal, sys, time, pathlib
 out = pathlib.Path(sys.argv[1])
+finish = out.with_name("FINISH")
 signal.signal(signal.SIGUSR1, lambda s, f: (out.write_text("SIGUSR1"), sys.exit(0)))
 out.write_text("started")
-deadline = time.time() + float(sys.argv[2])
-while time.time() < deadline:
+deadline = time.time() + 3600
+while not finish.exists() and time.time() < deadline:
     time.sleep(0.05)
-sys.exit(int(sys.argv[3]))
+sys.exit(int(sys.argv[2]))
 """
 
 
-def run_driver(tmp_path: Path, stop_signal: str, seconds: float, exit_code: int):
+def run_driver(tmp_path: Path, stop_signal: str, exit_code: int):
+    """The wrapper around FAKE_DRIVER, once the driver's signal handler is in place. Each test orders its
+    events by what the wrapper prints (read_until), not by sleeping, so that a loaded machine changes
+    nothing but the duration."""
     marker, stop_file = tmp_path / "marker", tmp_path / "STOP"
     proc = subprocess.Popen(
-        [
-            "bash",
-            str(RUN_DRIVER),
-            str(stop_file),
-            stop_signal,
-            "--",
-            sys.executable,
-            "-c",
-            FAKE_DRIVER,
-            str(marker),
-            str(seconds),
-            str(exit_code),
-        ],
+        ["bash", str(RUN_DRIVER), str(stop_file), stop_signal, "--", sys.executable, "-c", FAKE_DRIVER,
+         str(marker), str(exit_code)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 20
-    while not marker.exists() and time.monotonic() < deadline:
+    while not marker.exists():
+        assert proc.poll() is None, f"the wrapper exited before the driver started: {proc.stdout.read()}"
         time.sleep(0.05)
     return proc, marker, stop_file
 
 
+def read_until(proc: subprocess.Popen, text: str) -> str:
+    """The wrapper's output up to and including the first line that contains `text`."""
+    lines = []
+    while not lines or text not in lines[-1]:
+        line = proc.stdout.readline()
+        assert line, f"the wrapper ended without printing {text!r}: {''.join(lines)}"
+        lines.append(line)
+    return "".join(lines)
+
+
 def test_run_driver_relays_a_stop_request_to_the_driver(tmp_path):
-    proc, marker, stop_file = run_driver(tmp_path, "USR1", seconds=60, exit_code=7)
-    started = time.monotonic()
+    """The driver would run for an hour: only the relayed SIGUSR1 ends it (and with its own exit code
+    after checkpointing, 0, not the 7 of a natural end)."""
+    proc, marker, stop_file = run_driver(tmp_path, "USR1", exit_code=7)
     stop_file.touch()
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out  # the driver's own exit code after checkpointing, not 7
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
     assert marker.read_text() == "SIGUSR1"
-    assert time.monotonic() - started < 10  # polled every second
     assert "sending SIGUSR1 to the driver" in out
 
 
 def test_run_driver_with_signal_none_lets_the_driver_finish_and_keeps_its_exit_code(tmp_path):
-    proc, marker, stop_file = run_driver(tmp_path, "none", seconds=3, exit_code=3)
+    proc, marker, stop_file = run_driver(tmp_path, "none", exit_code=3)
     stop_file.touch()
-    out, _ = proc.communicate(timeout=30)
+    out = read_until(proc, "the driver is expected to stop on its own")  # seen while the driver runs
+    (tmp_path / "FINISH").touch()
+    rest, _ = proc.communicate(timeout=120)
+    out += rest
     assert proc.returncode == 3, out
     assert marker.read_text() == "started"  # never signalled
     assert "driver exited with code 3" in out
@@ -147,15 +154,18 @@ def test_run_driver_with_signal_none_lets_the_driver_finish_and_keeps_its_exit_c
 
 def test_run_driver_relays_nothing_after_a_sigterm(tmp_path):
     """Slurm's SIGTERM (scancel, requeue) reaches every step process, the driver included: the wrapper
-    waits for the driver and does not send it a second stop signal."""
-    proc, marker, stop_file = run_driver(tmp_path, "USR1", seconds=3, exit_code=3)
+    waits for the driver and does not send it a second stop signal when the stop file appears."""
+    proc, marker, stop_file = run_driver(tmp_path, "USR1", exit_code=3)
     proc.terminate()  # to the wrapper only, here
-    time.sleep(1.5)
+    out = read_until(proc, "got SIGTERM")
     stop_file.touch()
-    out, _ = proc.communicate(timeout=30)
+    out += read_until(proc, "stop requested after SIGTERM: nothing sent")  # seen while the driver runs
+    (tmp_path / "FINISH").touch()
+    rest, _ = proc.communicate(timeout=120)
+    out += rest
     assert proc.returncode == 3, out  # the driver ran to its end: not killed, not signalled
     assert marker.read_text() == "started"
-    assert "got SIGTERM" in out and "sending SIGUSR1" not in out
+    assert "sending SIGUSR1" not in out
 
 
 def test_run_driver_rejects_a_malformed_command_line():

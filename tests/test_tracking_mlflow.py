@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bapo_nemo.tracking.mlflow_tracker import (
+    EXPERIMENT_KIND_TAG,
     MlflowTracker,
     TrackingConfigError,
     TrackingUnavailableError,
@@ -76,6 +77,15 @@ class MlflowServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+@pytest.fixture(autouse=True)
+def _a_live_server_may_answer_slowly(monkeypatch):
+    """The tracker's 5 s HTTP timeout (HTTP_ENV_DEFAULTS) is for a dead server; these tests' outages are a
+    stopped server, refused at once. A live server's answer on a loaded CI machine may take seconds, and a
+    timeout there would turn into an outage the test did not make (records left journaled, a run left
+    RUNNING), so the tests give it 120 s."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +302,26 @@ def test_resume_with_changed_param_keeps_old_value_and_tags_the_change(tmp_path,
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.params == {"steps": "10", "lr": "0.1"}
     assert run.data.tags["bapo.params_changed_on_resume"] == "steps"
+
+
+def test_experiments_are_marked_as_training_ones_and_a_chosen_kind_stays(tmp_path, sqlite_uri):
+    """MLflow 3's experiment kind: a new experiment is created as a training one; one without a kind (as
+    NeMo-RL's logger creates it) gets it when a run is resumed in it; a kind someone chose is kept. The
+    tracker knows the experiment id either way (the run's UI link needs it)."""
+    client = MlflowClient(sqlite_uri)
+    fresh = MlflowTracker(sqlite_uri, "fresh", buffer_dir=tmp_path)
+    fresh.start({}, {})
+    experiment = client.get_experiment_by_name("fresh")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert fresh.experiment_id == experiment.experiment_id
+    bare = client.create_experiment("bare")
+    resumed = MlflowTracker(sqlite_uri, "bare", run_id=client.create_run(bare).info.run_id, buffer_dir=tmp_path)
+    resumed.start({}, {})
+    assert client.get_experiment(bare).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert resumed.experiment_id == bare
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    MlflowTracker(sqlite_uri, "chosen", buffer_dir=tmp_path).start({}, {})
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
 
 @pytest.mark.parametrize("uri", ["/tmp/mlruns", "file:///tmp/mlruns", "./mlruns", "sqlite://relative.db", ""])

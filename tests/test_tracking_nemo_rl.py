@@ -126,6 +126,8 @@ def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
     assert run.data.tags["bapo.runtime"] == "nemo_rl" and run.data.tags["bapo.enabled"] == "true"
     assert "bapo.resumed_at" not in run.data.tags  # attaching to NeMo-RL's fresh run is not a resume
     assert run.data.params["bapo.rho0"] == "0.4"
+    # v0.7.0 creates the experiment without a kind; MLflow 3 would file it as GenAI
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     config_file = Path(client.download_artifacts(run_id, "config/resolved_config.yaml", str(tmp_path / "dl")))
     logged = yaml.safe_load(config_file.read_text())
     assert logged["env"]["math"]["judge_api_key"] == REDACTED

@@ -8,6 +8,7 @@ Nothing is faked.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -56,8 +57,17 @@ def bapo_nemo(*args: str, cwd: Path, timeout: float = 300, env: dict | None = No
 
 def start_training(cfg: Path, cwd: Path) -> subprocess.Popen:
     """`bapo-nemo train CFG --output-dir out` in the background (the caller stops and reaps it)."""
-    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
+    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out", "--json"],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
+
+
+def wait_while_running(proc: subprocess.Popen, ready, what: str) -> None:
+    """Until ready() holds, for as long as the training runs: the test's next step needs that state, and
+    a loaded machine only makes it come later (pytest's timeout bounds a hang)."""
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.1)
 
 
 def write_config(directory: Path, data: dict | None = None, name: str = "tiny.yaml") -> Path:
@@ -91,14 +101,15 @@ GOOD_ROWS = [{"question": f"{a}+{b}?", "answer": str(a + b), "solution": f"{a}+{
              for a in range(1, 10) for b in range(1, 4)]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 3-step run with checkpoints step_0..step_3 (each test copies it before changing it)."""
-    root = tmp_path_factory.mktemp("trained")
+def train_tiny_run(root: Path) -> None:
+    """Fills `root` with a finished 3-step run, root/run, with checkpoints step_0..step_3 (conftest's
+    `trained` builds it once for all workers; each test copies it before changing it)."""
     done = bapo_nemo("train", str(write_config(root)), "--output-dir", "run", cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     (root / "stderr.txt").write_text(done.stderr)
-    return root / "run"
+
+
+TINY_RUN_KEY = hashlib.sha256(yaml.safe_dump(TINY).encode()).hexdigest()[:12]  # what the shared run depends on
 
 
 def copy_run(trained: Path, tmp_path: Path) -> Path:
@@ -157,6 +168,61 @@ def _locked(tmp: Path) -> list[str]:
     return ["train", str(write_config(tmp)), "--output-dir", str(tmp / "out")]
 
 
+def _config_is_a_directory(tmp: Path) -> list[str]:
+    return ["train", str(tmp), "--output-dir", str(tmp / "out")]
+
+
+def _config_is_a_fifo(tmp: Path) -> list[str]:
+    os.mkfifo(tmp / "tiny.yaml")  # e.g. a process substitution, <(...)
+    return ["train", str(tmp / "tiny.yaml"), "--output-dir", str(tmp / "out")]
+
+
+def _output_dir_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "out").write_text("my notes\n")
+    return ["train", str(write_config(tmp)), "--output-dir", str(tmp / "out")]
+
+
+def _data_config(tmp: Path, data_yaml: str) -> list[str]:
+    """TINY plus a `data:` section written as YAML text, as a user would type it."""
+    jsonl(tmp, "mine.jsonl", GOOD_ROWS)
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(TINY) + f"data:\n  train_path: {tmp / 'mine.jsonl'}\n" + data_yaml)
+    return ["train", str(tmp / "cfg.yaml"), "--output-dir", str(tmp / "out")]
+
+
+def _own_model(vocab_size: int, with_tokenizer: bool) -> Callable[[Path], list[str]]:
+    """A local `save_pretrained` model directory (the bundled character tokenizer beside it, or none)."""
+    def setup(tmp: Path) -> list[str]:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96)
+        Qwen2ForCausalLM(config).save_pretrained(tmp / "model")
+        if with_tokenizer:
+            load_tokenizer().save_pretrained(tmp / "model")
+        cfg = with_(model={"pretrained": str(tmp / "model")})
+        return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+    return setup
+
+
+def _mixed_data_dir(tmp: Path) -> list[str]:
+    """12 JSONL rows and 60 CSV rows in one directory: `datasets` alone would read the JSONL only."""
+    data = tmp / "data"
+    data.mkdir()
+    jsonl(data, "a.jsonl", GOOD_ROWS[:12])
+    (data / "b.csv").write_text("question,answer\n" + "".join(f"{a}+{a}?,{2 * a}\n" for a in range(60)))
+    cfg = with_(data={"train_path": str(data), "eval_size": 4})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
+def _letters_in_data(tmp: Path) -> list[str]:
+    """Word problems for the bundled character tokenizer, which knows digits and arithmetic signs only."""
+    rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 4)]
+    cfg = with_(data={"train_path": str(jsonl(tmp, "words.jsonl", rows)), "eval_size": 4})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -192,6 +258,26 @@ CASES = [
     Case("output dir in use", _locked, 2, ["is in use by PID", f"{os.getpid()}", "another --output-dir"]),
     Case("check --nodes 0", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "0",
                                          "--gpus-per-node", "8"], 2, ["--nodes: must be >= 1, got 0"]),
+    # round 2 (each ended unclearly or trained on the wrong thing before)
+    Case("config path is a directory", _config_is_a_directory, 2, ["is a directory", "pass a YAML file"]),
+    Case("config path is a FIFO", _config_is_a_fifo, 2, ["tiny.yaml is not a regular file"]),
+    Case("output dir is a file", _output_dir_is_a_file, 2, ["out is a file, not a directory"]),
+    Case("prompt_template read as a mapping", lambda tmp: _data_config(tmp, "  prompt_template: {prompt}\n"), 2,
+         ["data.prompt_template", "as a mapping", "quote it"]),
+    Case("prompt_template without {prompt}", lambda tmp: _data_config(tmp, "  prompt_template: 'Solve:'\n"), 2,
+         ["data.prompt_template", "has no {prompt}"]),
+    Case("own model without a tokenizer", _own_model(22, with_tokenizer=False), 2,
+         ["model.pretrained=", "encodes text as nothing", "tokenizer.save_pretrained"]),
+    Case("tokenizer larger than the model's vocabulary", _own_model(10, with_tokenizer=True), 2,
+         ["the tokenizer has 22 tokens but the model's embedding has 10 rows"]),
+    Case("dataset directory mixing file types", _mixed_data_dir, 2,
+         ["mixes kinds of data files", "a.jsonl", "b.csv", "set data.train_path to one file"]),
+    Case("answers that can never score", _tasks_file(GOOD_ROWS[:5] + [{"question": "1+1?", "answer": "#2"},
+                                                                      {"question": "1+2?", "answer": "3 "}]), 2,
+         ["line 6: answer '#2' can never score", "line 7: answer '3 ' can never score", "task.max_bad_fraction"]),
+    Case("text the bundled tokenizer cannot represent", _letters_in_data, 2,
+         ["words.jsonl: skipped 27 malformed row(s) of 27", "prompt has characters the tokenizer cannot represent",
+          "data.max_bad_fraction"]),
     Case("check --gpus-per-node -1", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1",
                                                   "--gpus-per-node", "-1"], 2, ["--gpus-per-node: must be >= 1"]),
 ]
@@ -214,12 +300,15 @@ def test_mistake_ends_in_one_clear_line(case: Case, tmp_path):
 
 
 def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_path):
-    """One over-long prompt in 28 rows (3.6% <= 10%): the run trains on the other rows and says which line."""
-    path = jsonl(tmp_path, "tasks.jsonl", GOOD_ROWS[:20] + [{"question": LONG, "answer": "151"}] + GOOD_ROWS[20:27])
-    cfg = with_(task={"train_file": str(path)}, train={"max_steps": 1})
+    """One over-long prompt and one answer that can never score in 29 rows (6.9% <= 10%): the run trains on
+    the other rows and says which lines it skipped and why."""
+    rows = (GOOD_ROWS[:20] + [{"question": LONG, "answer": "151"}] + GOOD_ROWS[20:27]
+            + [{"question": "2+2?", "answer": "#4", "solution": "2+2=4;#4"}])
+    cfg = with_(task={"train_file": str(jsonl(tmp_path, "tasks.jsonl", rows))}, train={"max_steps": 1})
     done = bapo_nemo("train", str(write_config(tmp_path, cfg)), "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "skipped 1 malformed row(s) of 28" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
+    assert "skipped 2 malformed row(s) of 29" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
+    assert "line 29: answer '#4' can never score" in done.stderr
 
 
 # ---- mistakes with a trained run: nothing of the run may be lost --------------------------------------------
@@ -318,9 +407,7 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
     first = start_training(cfg, tmp_path)
     try:
         lock = tmp_path / "out" / ".lock"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (lock.is_file() and lock.read_text().strip()):
-            time.sleep(0.1)
+        wait_while_running(first, lambda: lock.is_file() and lock.read_text().strip(), "it took the lock")
         second = bapo_nemo("train", str(cfg), "--output-dir", "out", "--resume", cwd=tmp_path)
         assert first.poll() is None, "the first run ended before the second started: the test proves nothing"
         first.send_signal(signal.SIGTERM)
@@ -378,7 +465,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(trained, tmp_path, damaged):
     assert "Traceback" not in done.stderr
     assert f"skipping checkpoint step_3: {damaged} is truncated" in done.stderr, done.stderr[-3000:]
     assert "resuming from step 2" in done.stderr
-    assert json.loads(done.stdout[done.stdout.index("{"):])["step"] == 4
+    assert json.loads((run / "summary.json").read_text())["step"] == 4
     assert _mlflow_status(run) == "FINISHED"
 
 
@@ -399,10 +486,8 @@ def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
     proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None and not (
-                metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.1)
+        wait_while_running(proc, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2,
+                           "its first RL step")
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=240)
     finally:

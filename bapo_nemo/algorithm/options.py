@@ -25,7 +25,7 @@ from bapo_nemo.config_errors import validation_lines
 RatioReference = Literal["proximal", "behavior"]
 
 # Adapter keys live next to BAPOConfig's keys in the same YAML block.
-ADAPTER_KEYS = ("ratio_reference",)
+ADAPTER_KEYS = ("ratio_reference", "step_bounds_sample")
 
 
 class NemoBAPOOptions(BaseModel):
@@ -41,6 +41,18 @@ class NemoBAPOOptions(BaseModel):
             "optimizer step of each rollout batch, so BAPO only acts with several optimizer steps per "
             "rollout batch. behavior: generation_logprobs of the policy that sampled the tokens (vLLM); "
             "the ratio carries all off-policyness (stale weights, FP8 generation), as in the paper."
+        ),
+    )
+    step_bounds_sample: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "granularity: step only. Share of each later optimizer step's prompt groups (after the first "
+            "of a rollout batch) over which the extra no-grad log-prob pass runs; the bounds searched on "
+            "that sample clip the whole step. 1: the whole global batch (exact). 0: no extra pass, the "
+            "bounds are searched on prev_logprobs (the weights at the start of the rollout batch). "
+            "docs/nemo_rl.md, 'Cheaper step-wide bounds', gives the measured distance to the exact search."
         ),
     )
     bapo: BAPOConfig = Field(default_factory=BAPOConfig)
@@ -59,4 +71,8 @@ class NemoBAPOOptions(BaseModel):
 
     def flat(self) -> dict[str, Any]:
         """The flat YAML form again (for logging and checkpoints)."""
-        return {"ratio_reference": self.ratio_reference, **self.bapo.model_dump()}
+        return {
+            "ratio_reference": self.ratio_reference,
+            "step_bounds_sample": self.step_bounds_sample,
+            **self.bapo.model_dump(),
+        }

@@ -1,34 +1,42 @@
 """Checkpoints of the embedded trainer (the layout other tools read):
 
 <output_dir>/checkpoints/step_<N>/
-    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json)
+    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json) and the
+                         tokenizer as hf_final has it: AutoModelForCausalLM / AutoTokenizer.from_pretrained load it
     tokenizer/           HF tokenizer files
     trainer_state.pt     optimizer, RNG states, step, policy version, warm-up and eval history
     rollout_state.json   partial-rollout manager (in-flight segments) and replay buffer
-    config.yaml          the resolved run config
-    training_info.json   step, MLflow run id and URI, config hash, BAPO block, model name
+    config.yaml          the resolved run config (secrets redacted)
+    training_info.json   step, MLflow run id and URI (password redacted), config hash, BAPO block, model
+                         name, SHA-256 of the files above (`sha256`)
     COMPLETE             written last; a directory without it is partial and ignored
 <output_dir>/checkpoints/latest   name of the newest complete step directory
+<output_dir>/hf_final/   the final model in HF format; COMPLETE names its step
 
 A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves a
-half-written `step_<N>` that looks complete.
+half-written `step_<N>` that looks complete. Before a resume trusts one, every file must read and belong
+to it (`checkpoint_problem`): a trainer state copied in from another step or run is caught there.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import struct
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from bapo_nemo.embedded.tokenizer import save_tokenizer
+from bapo_nemo.embedded.tokenizer import save_inference_tokenizer, save_tokenizer
+from bapo_nemo.tracking.redact import redact_nested
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -82,14 +90,53 @@ def checkpoint_problem(ckpt: Path) -> str | None:
             return f"trainer_state.pt is corrupted (member {bad} fails its CRC)"
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         return f"trainer_state.pt is truncated or corrupted ({exc})"
-    weights = sorted((ckpt / "model").glob("*.safetensors"))
+    return weights_problem(ckpt / "model") or _consistency_problem(ckpt)
+
+
+def weights_problem(model_dir: Path) -> str | None:
+    """Why the safetensors weights of a saved model cannot be loaded (none, or one truncated), or None."""
+    weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
-        return "model/ holds no *.safetensors weights"
+        return f"{model_dir.name}/ holds no *.safetensors weights"
     for path in weights:
         problem = _safetensors_problem(path)
         if problem:
-            return f"model/{path.name} {problem}"
+            return f"{model_dir.name}/{path.name} {problem}"
     return None
+
+
+def _consistency_problem(ckpt: Path) -> str | None:
+    """Whether files that each read belong together: the step of the directory, of training_info.json and
+    of trainer_state.pt agree, and every file recorded with a SHA-256 still has it (a file copied in from
+    another step or another run is intact, and wrong)."""
+    info = json.loads((ckpt / "training_info.json").read_text())
+    match = _STEP_DIR.match(ckpt.name)
+    step = int(match.group(1)) if match else info.get("step")
+    if info.get("step") != step:
+        return f"training_info.json is of step {info.get('step')}, not of {ckpt.name}"
+    digests = info.get("sha256") or {}
+    try:  # mmap: the step and version are read without loading the optimizer's tensors
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure makes the checkpoint unusable
+        return f"trainer_state.pt is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    if state.get("step") != step or state.get("policy_version") != info.get("policy_version"):
+        return (f"trainer_state.pt belongs to step {state.get('step')} (policy version {state.get('policy_version')}), "
+                f"not to {ckpt.name} (policy version {info.get('policy_version')}): it was copied in from another "
+                "checkpoint or run")
+    for name, digest in digests.items():  # recorded since checkpoints carry them: catches same-step swaps
+        if not (ckpt / name).is_file() or _sha256(ckpt / name) != digest:
+            return (f"{name} is not the file this checkpoint was saved with (its SHA-256 differs from the one in "
+                    "training_info.json): it was copied in from another checkpoint or run")
+    return None
+
+
+# The files a checkpoint is resumed from, fingerprinted in training_info.json.
+_FINGERPRINTED = ("trainer_state.pt", "rollout_state.json", "config.yaml")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def latest_intact_checkpoint(output_dir: str | Path, report=None) -> Path | None:
@@ -172,24 +219,109 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, tmp / "model")
-    save_tokenizer(tokenizer, tmp / "tokenizer")
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-    (tmp / "training_info.json").write_text(json.dumps(training_info, indent=2))
-    _fsync_tree(tmp)
-    (tmp / COMPLETE).write_text(f"step {step}\n")
-    if final.exists():  # re-saving a step (e.g. a signal right after a resume): replace it whole
-        old = root / f".old_step_{step}_{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    with disk_full_is_named(f"checkpoint {final}", tmp):
+        save_model(model, tmp / "model")
+        save_inference_tokenizer(tokenizer, tmp / "model")  # beside the weights: one directory to load
+        save_tokenizer(tokenizer, tmp / "tokenizer")
+        _torch_save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "rollout_state.json").write_text(json.dumps(rollout_state))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(redact_nested(config_dict), sort_keys=False))
+        sha256 = {name: _sha256(tmp / name) for name in _FINGERPRINTED}
+        (tmp / "training_info.json").write_text(json.dumps(redact_nested({**training_info, "sha256": sha256}),
+                                                           indent=2))
+        _fsync_tree(tmp)
+        (tmp / COMPLETE).write_text(f"step {step}\n")
+    replace_dir(tmp, final)  # re-saving a step (e.g. a signal right after a resume) replaces it whole
     _write_atomic(root / "latest", final.name + "\n")
     _prune(output_dir, keep_last)
     return final
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put directory ``new`` at ``target``, replacing whatever directory is there whole (the caller owns
+    ``target``: it holds the run's lock). Never half of one and half of the other."""
+    if target.exists():
+        old = target.with_name(f".old_{target.name}_{os.getpid()}")
+        os.replace(target, old)
+        os.replace(new, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, target)
+
+
+class _WriteErrors:
+    """A file for torch.save that keeps the OSError of a failed write: torch reports it only as
+    "unexpected pos N vs M"."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as fh:
+        writer = _WriteErrors(fh)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "No space left on device" in str(exc)  # safetensors' SafetensorError words it so
+
+
+@contextmanager
+def disk_full_is_named(what: str, partial: Path):
+    """A full disk while writing ``what`` ends in one line that says so, with the partial directory removed
+    and what was written before untouched."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_disk_full(exc):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(partial.parent).free
+        raise CheckpointError(
+            f"no space left on device while writing {what} ({free / 2**20:.1f} MiB free on the disk of "
+            f"{partial.parent}): free space or move the run to a larger disk, then continue with --resume "
+            "(the checkpoints written before are intact)"
+        ) from None
+
+
+def final_model_step(final: Path) -> int | None:
+    """The step of the model in ``hf_final`` (from its COMPLETE marker), or None without a complete one."""
+    try:
+        return int((final / COMPLETE).read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def save_final_model(model, tokenizer, final: Path, step: int) -> None:
+    """``hf_final``: the model and the tokenizer for inference, written beside it and renamed into place, so
+    it always holds one whole model, of the step its COMPLETE names."""
+    for leftover in final.parent.glob(f".{final.name}.tmp*"):  # of a process that died while writing it
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+    with disk_full_is_named(f"the final model {final}", tmp):
+        save_model(model, tmp)
+        save_inference_tokenizer(tokenizer, tmp)
+        _fsync_tree(tmp)
+        (tmp / COMPLETE).write_text(f"step {step}\n")
+    replace_dir(tmp, final)
 
 
 def load_training_info(ckpt: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bapo_nemo.algorithm import BAPOConfig
 from bapo_nemo.config_errors import validation_lines
@@ -123,6 +123,18 @@ class DataConfig(_Section):
         "skip them (counted in a warning) or keep their last tokens.",
     )
     max_bad_fraction: float = Field(0.1, ge=0, le=1, description="Most malformed rows tolerated.")
+
+    @field_validator("prompt_template", mode="before")
+    @classmethod
+    def _template_holds_the_prompt(cls, value):
+        if isinstance(value, dict):  # `prompt_template: {prompt}` unquoted is a YAML flow mapping
+            # pydantic reports only ValueError as a validation error, hence not TypeError
+            raise ValueError("YAML read this value as a mapping (an unquoted {prompt} is one): quote it, "  # noqa: TRY004
+                             'e.g. prompt_template: "{prompt}"')
+        if isinstance(value, str) and "{prompt}" not in value:
+            raise ValueError(f"{value!r} has no {{prompt}}, so every prompt would be this same text: put "
+                             "{prompt} where the question goes")
+        return value
 
 
 class WarmupConfig(_Section):
@@ -285,6 +297,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise RunConfigError(f"config {path} is a directory: pass a YAML file (e.g. configs/local_cpu.yaml)")
+        if path.exists() and not path.is_file():  # a FIFO or a device: reading it could block or never end
+            raise RunConfigError(f"config {path} is not a regular file: write the config to a YAML file and pass "
+                                 "that (e.g. configs/local_cpu.yaml)")
         if not path.is_file():
             raise RunConfigError(f"config file {path} does not exist (e.g. configs/local_cpu.yaml)")
         try:

@@ -4,10 +4,12 @@ prompts that do not fit the context window, and the math-verify reward.
     load_data(data_cfg, seed) -> (train tasks, held-out tasks)
 
 A source is a file (.parquet, .json, .jsonl, .csv, .arrow) or a directory (written by
-`Dataset.save_to_disk`, or holding data files of one of those kinds). `data.prompt_field` and
+`Dataset.save_to_disk`, or holding data files of one of those kinds: a mix is refused, since `datasets`
+would read only the most common kind; the files read are logged). `data.prompt_field` and
 `data.answer_field` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is replaced).
-Malformed rows (missing or empty fields) are skipped and counted with their row numbers; more than
-`data.max_bad_fraction` of them is an error naming the file.
+Malformed rows (missing or empty fields, an answer the reward can never match, text the tokenizer cannot
+represent) are skipped and counted with their row numbers; more than `data.max_bad_fraction` of them is an
+error naming the file.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import io
 import logging
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
-from bapo_nemo.embedded.tasks import Task, TaskFileError
+from bapo_nemo.embedded.run_log import LOGGER
+from bapo_nemo.embedded.tasks import Task, TaskFileError, unscorable_answer
+
+log = logging.getLogger(LOGGER)
 
 # file suffix -> `datasets` builder
 BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -29,12 +35,14 @@ class DataError(TaskFileError):
     """A dataset is unusable; the message names the key or file and what to fix."""
 
 
-def load_data(data_cfg, seed: int) -> tuple[list[Task], list[Task]]:
+def load_data(data_cfg, seed: int, row_problem: Callable[[Task], str | None] | None = None
+              ) -> tuple[list[Task], list[Task]]:
     """Training and held-out tasks. Without `data.eval_path`, `data.eval_size` rows of the training
-    source are held out (a seeded draw) and never trained on."""
-    train = load_tasks(data_cfg.train_path, data_cfg, data_cfg.split, "train_path")
+    source are held out (a seeded draw) and never trained on. `row_problem(task)` says what else makes a
+    row unusable (e.g. `unrepresentable_text`); such rows count as malformed."""
+    train = load_tasks(data_cfg.train_path, data_cfg, data_cfg.split, "train_path", row_problem)
     if data_cfg.eval_path:
-        held_out = load_tasks(data_cfg.eval_path, data_cfg, data_cfg.eval_split, "eval_path")
+        held_out = load_tasks(data_cfg.eval_path, data_cfg, data_cfg.eval_split, "eval_path", row_problem)
         return train, held_out
     return split_held_out(train, data_cfg.eval_size, seed)
 
@@ -53,7 +61,8 @@ def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[T
     return [t for t in tasks if t.question not in questions], held_out
 
 
-def load_tasks(path: str, data_cfg, split: str, key: str) -> list[Task]:
+def load_tasks(path: str, data_cfg, split: str, key: str,
+               row_problem: Callable[[Task], str | None] | None = None) -> list[Task]:
     """Tasks from one source, fields mapped by `data_cfg`; `key` names the config key in messages."""
     rows = _read_rows(Path(path), split, key)
     fields = {"data.prompt_field": data_cfg.prompt_field, "data.answer_field": data_cfg.answer_field}
@@ -74,7 +83,12 @@ def load_tasks(path: str, data_cfg, split: str, key: str) -> list[Task]:
             continue
         prompt, answer, solution = problem
         question = data_cfg.prompt_template.replace("{prompt}", prompt)
-        tasks.append(Task(f"{stem}-{index}", question, answer, solution, {"row": index}))
+        task = Task(f"{stem}-{index}", question, answer, solution, {"row": index})
+        problem = row_problem(task) if row_problem is not None else None
+        if problem is not None:
+            bad.append((index, problem))
+            continue
+        tasks.append(task)
     _report_bad_rows(path, bad, len(rows), data_cfg.max_bad_fraction)
     if not tasks:
         raise DataError(f"{path} holds no usable rows")
@@ -95,6 +109,7 @@ def _read_rows(path: Path, split: str, key: str):
         ):
             loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
         elif path.is_dir():
+            _one_kind_of_data_files(path, key)
             loaded = datasets.load_dataset(str(path))
         elif path.suffix in BUILDERS:
             loaded = datasets.load_dataset(BUILDERS[path.suffix], data_files=str(path))
@@ -117,6 +132,26 @@ def _read_rows(path: Path, split: str, key: str):
     return loaded
 
 
+def _one_kind_of_data_files(path: Path, key: str) -> None:
+    """A directory of data files must hold one kind (`datasets` reads only the most common kind and ignores
+    the others without a word); the files read are logged."""
+    kinds: dict[str, list[str]] = {}
+    for file in sorted(path.rglob("*")):
+        rel = file.relative_to(path)
+        if file.is_file() and file.suffix in BUILDERS and not any(part.startswith(".") for part in rel.parts):
+            kinds.setdefault(BUILDERS[file.suffix], []).append(str(rel))
+    if len(kinds) > 1:
+        listing = "; ".join(f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} files)"
+                            for kind, names in kinds.items())
+        raise DataError(
+            f"data.{key}: {path} mixes kinds of data files ({listing}), and only the most common kind would be "
+            f"read: keep one kind in the directory, or set data.{key} to one file"
+        )
+    for names in kinds.values():
+        log.info(f"data.{key}: reading {len(names)} file(s) from {path}: {', '.join(names[:10])}"
+                 + (" ..." if len(names) > 10 else ""))
+
+
 def _check_row(row: dict, data_cfg):
     """(prompt, answer, solution) or a string saying what is wrong with the row."""
     prompt, answer = row.get(data_cfg.prompt_field), row.get(data_cfg.answer_field)
@@ -126,6 +161,8 @@ def _check_row(row: dict, data_cfg):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         return f"{data_cfg.answer_field!r} is empty or not a string/number"
+    if data_cfg.reward == "arithmetic" and unscorable_answer(answer.strip()):
+        return unscorable_answer(answer.strip())
     solution = row.get(data_cfg.solution_field) if data_cfg.solution_field else None
     if data_cfg.solution_field and (not isinstance(solution, str) or not solution):
         return f"{data_cfg.solution_field!r} is not a non-empty string"
@@ -143,6 +180,35 @@ def _report_bad_rows(path, bad: list[tuple[int, str]], rows: int, max_bad_fracti
             "columns with data.prompt_field / data.answer_field, or raise data.max_bad_fraction."
         )
     warnings.warn(message, stacklevel=3)
+
+
+def unrepresentable_text(tokenizer, prompt_template: str) -> Callable[[Task], str | None]:
+    """A `row_problem` for `load_data`: the row's prompt, answer or solution holds characters `tokenizer`
+    cannot represent (they would become its unknown token: the bundled character tokenizer knows digits and
+    arithmetic signs only). Raises DataError when the template itself holds some."""
+    unk = tokenizer.unk_token_id
+
+    def foreign(text: str) -> str:
+        if unk is None or unk not in tokenizer.encode(text, add_special_tokens=False):
+            return ""
+        return "".join(sorted(c for c in set(text) if unk in tokenizer.encode(c, add_special_tokens=False)))
+
+    in_template = foreign(prompt_template.replace("{prompt}", ""))
+    if in_template:
+        raise DataError(
+            f"data.prompt_template has characters the tokenizer cannot represent ({in_template!r} would become "
+            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (model.pretrained), or a template "
+            "without them"
+        )
+
+    def problem(task: Task) -> str | None:
+        for name, text in (("prompt", task.question), ("answer", task.answer), ("solution", task.solution or "")):
+            chars = foreign(text)
+            if chars:
+                return f"{name} has characters the tokenizer cannot represent: {chars!r}"
+        return None
+
+    return problem
 
 
 # ---- prompts that do not fit ------------------------------------------------------------------------------

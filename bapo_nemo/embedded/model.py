@@ -128,3 +128,21 @@ def load_pretrained_tokenizer(name: str):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def check_tokenizer_fits(model, tokenizer, name: str) -> None:
+    """At start-up, a tokenizer the model can use: it encodes text at all (a model directory without
+    tokenizer files loads an empty one, and training fails later on "a tensor of 0 elements"), and every id
+    it produces has a row in the model's embedding (else an IndexError in the first forward)."""
+    if not tokenizer.encode("1 + 2 = 3", add_special_tokens=False):
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: its tokenizer encodes text as nothing (no tokenizer files in {name}?): "
+            "save the model's tokenizer beside it with tokenizer.save_pretrained(...)"
+        )
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"model.pretrained={name!r}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{rows} rows, so tokens {rows} and up have none: use the tokenizer the model was trained with, or "
+            "resize the model (model.resize_token_embeddings(len(tokenizer))) and save it again"
+        )

@@ -4,6 +4,9 @@
 when the process ends in any way (return, exception, SIGKILL), so a lock file left by a dead process is
 stale by construction: the next run takes it over and says whose it was. The file records the holder's
 PID, host and start time, so a refused second run can name it.
+
+An output directory inside another run (`runs/a/checkpoints/step_1`) is refused before anything is
+written: that run's checkpoint pruning, or its next resume, would delete what this one writes there.
 """
 
 from __future__ import annotations
@@ -17,10 +20,37 @@ from pathlib import Path
 from typing import Self
 
 LOCK_FILE = ".lock"
+# Beside the lock file, any of these makes a directory a run's output directory.
+RUN_FILES = ("train.log", "mlflow_run_id", "checkpoints")
 
 
-class OutputDirLockedError(RuntimeError):
+class OutputDirError(RuntimeError):
+    """The output directory cannot hold a run; the message names it and what to choose instead."""
+
+
+class OutputDirLockedError(OutputDirError):
     """Another live process trains into the same output directory."""
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The nearest directory above ``path`` that is a run's output directory, or None."""
+    for parent in path.resolve().parents:
+        if (parent / LOCK_FILE).is_file() and any((parent / name).exists() for name in RUN_FILES):
+            return parent
+    return None
+
+
+def check_output_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise OutputDirError(f"--output-dir {path} is a file, not a directory: choose a directory (it is created "
+                             "when missing)")
+    run = enclosing_run(path)
+    if run is not None:
+        raise OutputDirError(
+            f"--output-dir {path} is inside the output directory of another run, {run}: its checkpoint pruning "
+            f"or its next --resume would delete what this run writes there. Choose a directory outside it, e.g. "
+            f"{run.parent / (path.name + '_run')}"
+        )
 
 
 class OutputDirLock:
@@ -32,7 +62,12 @@ class OutputDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> Self:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_output_dir(self.path.parent)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file stands where a parent directory should be
+            raise OutputDirError(f"--output-dir {self.path.parent}: a file stands on its path; choose another "
+                                 "directory") from None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -147,6 +147,16 @@ def reward(response: str, task: Task) -> float:
     return 1.0 if extract_answer(response) == task.answer else 0.0
 
 
+def unscorable_answer(answer: str) -> str | None:
+    """Why `reward` can never give 1 for this reference answer, or None: it compares the text after the
+    last '#' with the spaces around it removed, so an answer holding '#' or surrounded by spaces never
+    matches."""
+    if extract_answer("#" + answer) != answer:
+        return (f"answer {answer!r} can never score: the reward compares the text after the last '#' with the "
+                "surrounding spaces removed, so write the answer without '#' and without surrounding spaces")
+    return None
+
+
 def char_prompt_tokens(question: str) -> int:
     """Prompt length under the bundled tokenizer: BOS, then one token per character."""
     return 1 + len(question)
@@ -235,6 +245,8 @@ def _parse_row(line: str):
         unknown = set(text) - _ALLOWED
         if unknown:
             return f"{name} has characters outside the vocabulary: {''.join(sorted(unknown))!r}"
+    if unscorable_answer(answer):
+        return unscorable_answer(answer)
     ident = row.get("id")
     return question, answer, solution, (str(ident) if ident is not None else None)
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from bapo_nemo.embedded.config import RunConfigError, load_config
+from bapo_nemo.tracking.redact import redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
+    parser.add_argument("--json", action="store_true",
+                        help="end with the run's summary as JSON on stdout instead of the summary in words")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except RunConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     if config.runtime.device == "cuda":
         import torch
@@ -72,36 +75,52 @@ def main(args: argparse.Namespace) -> int:
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
-    from bapo_nemo.embedded.run_lock import OutputDirLock, OutputDirLockedError
+    from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
+    from bapo_nemo.embedded.run_log import append_line
+    from bapo_nemo.embedded.run_summary import summary_record, summary_text
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import ResumeError, train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
+    user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
+                   TrackingUnavailableError)
     try:
         with OutputDirLock(args.output_dir) as lock:
             if lock.stale:
                 print(f"note: {lock.path} was left by PID {lock.stale.get('pid', '?')} on host "
                       f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
                       file=sys.stderr)
-            summary = train(config, args.output_dir, resume=args.resume)
-    except (OutputDirLockedError, ResumeError, ModelLoadError, TaskFileError, CheckpointError,
-            TrackingConfigError, TrackingUnavailableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+            try:
+                summary = train(config, args.output_dir, resume=args.resume)
+            except BaseException as exc:  # the run's log ends with the line the console ends with
+                line = f"error: {redact_text(str(exc))}" if isinstance(exc, user_errors) else _ending(exc)
+                append_line(args.output_dir, line)
+                raise
+    except (OutputDirError, *user_errors) as exc:
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
-    start, end = summary.get("eval_start") or {}, summary.get("eval_end") or {}
-    print(
-        json.dumps(
-            {
-                "step": summary["step"],
-                "stopped_by_signal": summary["stopped_by_signal"],
-                "warmup_steps": (summary.get("warmup") or {}).get("warmup/steps"),
-                "heldout_avg_at_k_start": start.get("eval/avg_at_k"),
-                "heldout_avg_at_k_end": end.get("eval/avg_at_k"),
-                "heldout_pass_at_k_end": end.get("eval/pass_at_k"),
-                "mlflow_run_id": summary["mlflow_run_id"],
-                "output_dir": summary["output_dir"],
-            },
-            indent=2,
-        )
-    )
+    if args.json:
+        print(json.dumps(summary_record(summary), indent=2))
+    else:
+        print(summary_text(summary, config.tracking.experiment_name, config.eval.k, _command(args, summary)))
     return 0
+
+
+def _ending(exc: BaseException) -> str:
+    from bapo_nemo.cli import unexpected_error_line
+
+    return "bapo-nemo train: interrupted" if isinstance(exc, KeyboardInterrupt) else unexpected_error_line("train", exc)
+
+
+def _command(args: argparse.Namespace, summary: dict) -> list[str]:
+    """The command line that ran this run, as the user can run it again here."""
+    from bapo_nemo.embedded.run_summary import shown_path
+
+    command = ["bapo-nemo", "train", args.config, *args.overrides, "--output-dir", shown_path(summary["output_dir"])]
+    if args.seed is not None:
+        command += ["--seed", str(args.seed)]
+    if args.max_steps is not None:
+        command += ["--max-steps", str(args.max_steps)]
+    if args.no_progress:
+        command.append("--no-progress")
+    return command + (["--resume"] if args.resume else [])

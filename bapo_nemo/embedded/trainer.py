@@ -10,9 +10,10 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
    a stop signal ends it between steps, with nothing written
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
    BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every `eval.every`
-   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1/SIGINT finish the step, checkpoint
-   and return
-4. finish (`_finish`): HF save in <output_dir>/hf_final, summary, training plot
+   steps, checkpoints every `checkpoint.every` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP finish the step,
+   checkpoint and return (stop_signals.py: the handlers stay from set-up until the MLflow run is closed)
+4. finish (`_finish`): HF save in <output_dir>/hf_final (rewritten whenever the run ends at another step),
+   summary, training plot
 
 Whatever the ending, the MLflow run is marked (FINISHED; KILLED on a signal; FAILED on an error) and
 <output_dir>/train.log records it, with one line per step and the decisions (resume, skipped checkpoints).
@@ -24,11 +25,9 @@ import json
 import logging
 import math
 import random
-import signal
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +37,35 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, config_differences
-from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, math_verify_reward, truncate_prompt
+from bapo_nemo.embedded.data import (
+    DataError,
+    fit_prompts,
+    load_data,
+    math_verify_reward,
+    truncate_prompt,
+    unrepresentable_text,
+)
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
 from bapo_nemo.embedded.model import (
     DTYPES,
     build_model,
+    check_tokenizer_fits,
     load_pretrained,
     load_pretrained_tokenizer,
     prepare_model,
 )
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
-from bapo_nemo.embedded.run_log import LOGGER, run_log, step_line
+from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
+from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
+from bapo_nemo.embedded.stop_signals import StopFlag
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
-from bapo_nemo.embedded.tokenizer import load_tokenizer, save_inference_tokenizer
+from bapo_nemo.embedded.tokenizer import load_tokenizer
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
-from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
+from bapo_nemo.tracking.mlflow_tracker import MlflowTracker, sqlite_path
+from bapo_nemo.tracking.redact import redact_nested, redact_text
 from bapo_nemo.tracking.tags import config_hash, default_tags
 
 MODEL_NAME = "bapo-embedded-qwen2-tiny"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 log = logging.getLogger(LOGGER)  # <output_dir>/train.log (and stderr without a progress bar) during train()
 
 
@@ -66,30 +75,25 @@ class ResumeError(RuntimeError):
 
 def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) a training run; returns a summary (steps, held-out accuracy at the start of RL and
-    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1/SIGINT."""
+    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1/SIGINT/SIGHUP."""
     cfg = config
     output_dir = Path(output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    with run_log(output_dir, to_stderr=not cfg.runtime.progress):
-        run = _set_up(cfg, output_dir, resume)
+    stop = StopFlag()
+    with run_log(output_dir, to_stderr=not cfg.runtime.progress), stop.installed():
+        run = _set_up(cfg, output_dir, resume, stop)
         try:
-            with run.stop.installed():
-                if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
-                    _warm_up(run)
-                bar = tqdm(total=cfg.train.max_steps, initial=run.step, desc="BAPO RL",
-                           disable=not cfg.runtime.progress)
-                while run.step < cfg.train.max_steps and not run.stop.requested:
-                    outcome = rl_step(run.learner)
-                    run.step += 1
-                    metrics = _record_step(run, outcome)
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward/mean']:.2f}",
-                        acc=f"{run.history['eval'][-1]['eval/avg_at_k']:.2f}",
-                        c_low=f"{metrics.get('bapo/c_low', 0):.2f}",
-                        c_high=f"{metrics.get('bapo/c_high', 0):.2f}",
-                    )
-                bar.close()
+            if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
+                _warm_up(run)
+            bar = tqdm(total=cfg.train.max_steps, initial=run.step, desc="BAPO RL",
+                       disable=not cfg.runtime.progress)
+            while run.step < cfg.train.max_steps and not run.stop.requested:
+                outcome = rl_step(run.learner)
+                run.step += 1
+                metrics = _record_step(run, outcome)
+                bar.update(1)
+                bar.set_postfix(progress_postfix(metrics, run.history["eval"][-1], cfg.eval.k))
+            bar.close()
             return _finish(run)
         except KeyboardInterrupt:
             log.info(f"aborted by a second Ctrl-C at step {run.step}: no checkpoint of the current step")
@@ -105,7 +109,8 @@ def _mark_run(tracker: MlflowTracker, status: str) -> None:
     try:
         tracker.finish(status)
     except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
-        print(f"could not mark the MLflow run {status} ({type(exc).__name__}: {exc})", file=sys.stderr)
+        print(f"could not mark the MLflow run {status} ({type(exc).__name__}: {redact_text(str(exc))})",
+              file=sys.stderr)
 
 
 # ---- 1. set-up and resume --------------------------------------------------------------------------------
@@ -127,12 +132,13 @@ class _Run:
     tracker: MlflowTracker
     run_id: str
     tracking_uri: str
-    metrics_log: _MetricsLog
-    groups_log: _MetricsLog
-    stop: _StopFlag
+    metrics_log: MetricsLog
+    groups_log: MetricsLog
+    stop: StopFlag
+    spread_watch: ZeroSpreadWatch = field(default_factory=ZeroSpreadWatch)
 
 
-def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
+def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.runtime.num_threads)
     device = torch.device(cfg.runtime.device)
@@ -171,11 +177,18 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
     step, history = 0, {"eval": [], "warmup": None}
     if ckpt is not None:
         step, history = _restore(learner, ckpt, device)
-        run_id = ckpt_io.load_training_info(ckpt).get("mlflow_run_id")
+        run_id, recorded_in = ckpt_io.load_training_info(ckpt).get("mlflow_run_id"), ckpt / "training_info.json"
     else:
-        run_id = _saved_run_id(output_dir) if resume else None
+        run_id, recorded_in = _saved_run_id(output_dir) if resume else None, output_dir / "mlflow_run_id"
 
     tracking_uri = cfg.tracking.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
+    store = sqlite_path(tracking_uri)
+    if run_id is not None and store is not None and not store.is_file():  # MLflow would make an empty one
+        raise ResumeError(
+            f"the MLflow store {store} does not exist, but {recorded_in} records run {run_id} tracked in it: "
+            "restore the file from a copy, set tracking.tracking_uri to the store the run was tracked in, or "
+            "start a new run in another --output-dir"
+        )
     tracker = MlflowTracker(
         tracking_uri,
         cfg.tracking.experiment_name,
@@ -201,11 +214,11 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool) -> _Run:
         tracker,
         run_id,
         tracking_uri,
-        _MetricsLog(output_dir / "metrics.jsonl", keep_up_to),
+        MetricsLog(output_dir / "metrics.jsonl", keep_up_to),
         # Which prompt groups each step trained on, with their segment counts: the audit trail showing that
         # responses in flight at a checkpoint are finished after a resume, not dropped.
-        _MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to),
-        _StopFlag(),
+        MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to),
+        stop,
     )
 
 
@@ -215,6 +228,7 @@ def _policy(cfg: RunConfig, device: torch.device) -> tuple[Any, Any, int]:
     if cfg.model.pretrained is not None:
         model = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
         tokenizer = load_pretrained_tokenizer(cfg.model.pretrained)
+        check_tokenizer_fits(model, tokenizer, cfg.model.pretrained)
         window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     else:
         tokenizer = load_tokenizer()
@@ -269,7 +283,8 @@ def _tasks(cfg: RunConfig, tokenizer, context_window: int):
         )
         return encode, eval_tasks, pool, reward
 
-    pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed)
+    pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed,
+                                 unrepresentable_text(tokenizer, cfg.data.prompt_template))
     pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
     eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
     if cfg.data.reward == "math_verify":
@@ -324,7 +339,7 @@ def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> 
     latest = ckpt_io.latest_intact_checkpoint(
         output_dir, report=lambda ckpt, why: log.warning(f"skipping checkpoint {ckpt.name}: {why}")
     )
-    diffs = config_differences(ckpt_io.load_config_dict(latest), config_dict)
+    diffs = config_differences(ckpt_io.load_config_dict(latest), redact_nested(config_dict))  # saved redacted
     if diffs:
         raise ResumeError(
             f"cannot resume from {latest}: it was written with a different config. Differing keys:\n  "
@@ -377,12 +392,16 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     """Metrics of the step just taken (to MLflow and metrics.jsonl), the trained groups, samples, held-out
     evaluation and checkpoint when due. Returns the step's metrics."""
     cfg, step = run.cfg, run.step
-    metrics = _step_metrics(outcome, run.learner.version)
+    metrics = step_metrics(outcome, run.learner.version)
     if step % cfg.eval.every == 0 or step == cfg.train.max_steps:
         metrics.update(_run_eval(run, step))
     run.tracker.log_metrics(_finite(metrics), step=step)
     run.metrics_log.write({"step": step, **metrics})
-    log.info(step_line(step, cfg.train.max_steps, metrics))
+    log.info(step_line(step, cfg.train.max_steps, metrics, cfg.eval.k))
+    warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
+    if warning:  # console, train.log and the MLflow run
+        log.warning(warning)
+        run.tracker.log_tags({ZERO_SPREAD_TAG: warning})
     run.groups_log.write(
         {
             "step": step,
@@ -402,43 +421,6 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
         )
     if step % cfg.checkpoint.every == 0 or step == cfg.train.max_steps or run.stop.requested:
         _save(run, step)
-    return metrics
-
-
-def _step_metrics(outcome: StepOutcome, version: int) -> dict[str, float]:
-    updates, t = outcome.updates, outcome.times
-    fresh = [x for rs in outcome.rewards[: len(outcome.groups)] for x in rs]
-    lengths = [len(r.response_token_ids) for g in outcome.groups for r in g.rollouts]
-    # correct vs wrong response lengths: when wrong ones are longer, negative tokens dominate the loss
-    correct = [n for n, x in zip(lengths, fresh) if x > 0]
-    wrong = [n for n, x in zip(lengths, fresh) if x <= 0]
-    generated = outcome.generated_tokens
-    metrics = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
-    # A mini-batch whose groups all have one reward has no advantage, no share and no gradient: its
-    # rho (reported as 1) would bias the step's mean, so the share is averaged over the others.
-    signal = [u for u in updates if u.get("bapo/positive_mass", 0) + u.get("bapo/negative_mass", 0) > 0]
-    for key in ("bapo/rho", "bapo/rho_initial"):
-        if signal and key in metrics:
-            metrics[key] = sum(u[key] for u in signal) / len(signal)
-    metrics.update(
-        {
-            "reward/mean": sum(fresh) / len(fresh),
-            "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
-            "train/response_length_mean": sum(lengths) / len(lengths),
-            "train/response_length_max": float(max(lengths)),
-            **({"train/response_length_correct": sum(correct) / len(correct)} if correct else {}),
-            **({"train/response_length_wrong": sum(wrong) / len(wrong)} if wrong else {}),
-            "train/token_staleness_mean": outcome.token_staleness,
-            "train/replayed_groups": float(len(outcome.replayed)),
-            "train/policy_version": float(version),
-            "perf/generated_tokens": float(generated),
-            "perf/generation_tokens_per_s": generated / max(t["generated"] - t["start"], 1e-9),
-            "perf/tokens_per_s": generated / max(t["end"] - t["start"], 1e-9),
-            "perf/step_time_s": t["end"] - t["start"],
-            "perf/step_cpu_s": t["cpu"],  # = wall time alone on the machine (1 thread)
-            **{k: v for k, v in outcome.rollout_stats.items() if not k.startswith("rollout/segments_hist")},
-        }
-    )
     return metrics
 
 
@@ -501,20 +483,22 @@ def _save(run: _Run, at_step: int) -> Path:
 def _finish(run: _Run) -> dict[str, Any]:
     cfg, step, history, output_dir = run.cfg, run.step, run.history, run.output_dir
     start_eval = next((e for e in history["eval"] if e["step"] == 0), None)
+    ended = step >= cfg.train.max_steps and not _warm_up_cut_short(run)  # a signal now cannot stop it
     summary = {
         "step": step,
         "max_steps": cfg.train.max_steps,
         "policy_version": run.learner.version,
-        "stopped_by_signal": run.stop.signal_name,
+        "stopped_by_signal": None if ended else run.stop.signal_name,
         "mlflow_run_id": run.run_id,
         "mlflow_tracking_uri": run.tracking_uri,
+        "mlflow_experiment_id": run.tracker.experiment_id,
         "output_dir": str(output_dir),
         "warmup": history["warmup"],
         "eval_start": start_eval,
         "eval_end": history["eval"][-1] if history["eval"] else None,
         "eval_history": history["eval"],
     }
-    if run.stop.requested:
+    if run.stop.requested and not ended:
         # A requeued job resumes from the checkpoint just written (and marks the run RUNNING again).
         if _warm_up_cut_short(run):
             done = int(history["warmup"]["warmup/steps"])
@@ -525,32 +509,35 @@ def _finish(run: _Run) -> dict[str, Any]:
             log.info(f"stopped by {run.stop.signal_name} at step {step} with a checkpoint; continue with --resume")
         run.tracker.finish("KILLED")
         return summary
-    if step >= cfg.train.max_steps and not (output_dir / "hf_final" / "COMPLETE").is_file():
-        final = output_dir / "hf_final"
-        ckpt_io.save_model(run.learner.model, final)
-        save_inference_tokenizer(run.learner.tokenizer, final)
-        (final / "COMPLETE").write_text(f"step {step}\n")
-    summary["hf_final"] = str(output_dir / "hf_final")
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    final = output_dir / "hf_final"
+    trained_now = run.resumed_from is None or run.resumed_from.name != f"step_{step}"
+    if trained_now or ckpt_io.final_model_step(final) != step:  # e.g. a resumed run that went further
+        ckpt_io.save_final_model(run.learner.model, run.learner.tokenizer, final, step)
+    summary["hf_final"] = str(final)
+    summary["plot"] = _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
+    (output_dir / "summary.json").write_text(json.dumps(redact_nested(summary), indent=2))
     run.tracker.log_artifact(output_dir / "summary.json")
-    _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
     run.tracker.finish("FINISHED")
-    log.info(f"finished at step {step}: {output_dir / 'hf_final'}")
+    if run.stop.requested:
+        log.info(f"{run.stop.signal_name} arrived after the last step: the run was finished first")
+    log.info(f"finished at step {step}: {final}")
     return summary
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> None:
-    """The run's training-dynamics panels as a PNG artifact; a tracking outage only loses the plot."""
+def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, out_dir: Path) -> str | None:
+    """The run's training-dynamics panels as a PNG artifact (returns its path); a tracking outage only loses
+    the plot."""
     from bapo_nemo.tracking.report import log_run_plot
 
     if tracker.flush():
-        print("tracking server unreachable: metrics stay journaled; no training plot this time")
-        return
+        print("tracking server unreachable: metrics stay journaled; no training plot this time", file=sys.stderr)
+        return None
     try:
-        log_run_plot(tracking_uri, run_id, out_dir)
+        return str(log_run_plot(tracking_uri, run_id, out_dir))
     except Exception as exc:  # noqa: BLE001 (the plot is a convenience; never fail a finished run for it)
-        print(f"could not log the training plot ({type(exc).__name__}: {exc})")
+        print(f"could not log the training plot ({type(exc).__name__}: {redact_text(str(exc))})", file=sys.stderr)
+        return None
 
 
 def _rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:
@@ -580,57 +567,3 @@ def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
 
 def _finite(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-
-
-class _MetricsLog:
-    """A JSONL file with one record per step (metrics.jsonl: the local copy of what goes to MLflow). On
-    resume, records after the checkpoint's step (written by the interrupted process) are dropped."""
-
-    def __init__(self, path: Path, keep_up_to: int):
-        self.path = path
-        if path.is_file():
-            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in lines if keep_up_to >= 0 and json.loads(ln)["step"] <= keep_up_to]
-            path.write_text("".join(ln + "\n" for ln in kept))
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-
-class _StopFlag:
-    """SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) / SIGINT (Ctrl-C) ask the loop to stop after the
-    current step; a second Ctrl-C aborts at once."""
-
-    def __init__(self):
-        self.signal_name: str | None = None
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def _handle(self, signum, _frame) -> None:
-        if signum == signal.SIGINT and self.signal_name == "SIGINT":
-            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the step
-        self.signal_name = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            print("\nSIGINT: stopping after the current step with a checkpoint (Ctrl-C again to abort "
-                  "without one)", file=sys.stderr, flush=True)
-
-    def installed(self):
-        flag = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.previous = {}
-                if threading.current_thread() is threading.main_thread():
-                    for sig in STOP_SIGNALS:
-                        self.previous[sig] = signal.signal(sig, flag._handle)
-                return flag
-
-            def __exit__(self, *exc):
-                for sig, handler in self.previous.items():
-                    signal.signal(sig, handler)
-                return False
-
-        return _Ctx()

@@ -4,13 +4,16 @@ from a policy that sometimes answers correctly. The result is cached in <output_
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from bapo_nemo.embedded.evaluation import encode_prompt
+from bapo_nemo.embedded.run_log import LOGGER
 from bapo_nemo.embedded.tasks import TaskStream
+from bapo_nemo.tracking.redact import redact_nested
 
 CACHE_DIR = "warmup"
 
@@ -73,20 +76,32 @@ def run_warmup(
 
 
 def cache_key(config_dict: dict) -> dict:
-    """What the warm-up result depends on (looping demonstrations run to the response length limit)."""
+    """What the warm-up result depends on (looping demonstrations run to the response length limit), as
+    written to info.json: secrets redacted."""
     key = {k: config_dict[k] for k in ("seed", "model", "task", "data", "warmup") if k in config_dict}
     if config_dict.get("warmup", {}).get("loop_rate"):
         key["loop_length"] = config_dict["rollout"]["partial"]["max_response_tokens"]
-    return key
+    return redact_nested(key)
 
 
 def load_cached(output_dir: Path, key: dict):
-    """(model_dir, metrics) of a cached warm-up made with the same settings, else None."""
+    """(model_dir, metrics) of a cached warm-up made with the same settings whose weights read, else None
+    (a damaged cache is redone, not loaded)."""
+    from bapo_nemo.embedded.checkpoint import weights_problem
+
     info_path = output_dir / CACHE_DIR / "info.json"
     if not info_path.is_file():
         return None
-    info = json.loads(info_path.read_text())
+    try:
+        info = json.loads(info_path.read_text())
+    except ValueError:
+        return None
     if info.get("key") != json.loads(json.dumps(key)):
+        return None
+    problem = weights_problem(output_dir / CACHE_DIR / "model")
+    if problem:
+        logging.getLogger(LOGGER).warning(f"the cached warm-up in {output_dir / CACHE_DIR} is damaged ({problem}): "
+                                          "redoing the warm-up")
         return None
     return output_dir / CACHE_DIR / "model", info["metrics"]
 
@@ -94,8 +109,9 @@ def load_cached(output_dir: Path, key: dict):
 def save_cache(output_dir: Path, key: dict, model, metrics: dict) -> None:
     cache = output_dir / CACHE_DIR
     cache.mkdir(parents=True, exist_ok=True)
-    from bapo_nemo.embedded.checkpoint import save_model
+    from bapo_nemo.embedded.checkpoint import disk_full_is_named, save_model
 
-    save_model(model, cache / "model")
+    with disk_full_is_named(f"the warm-up cache {cache}", cache / "model"):
+        save_model(model, cache / "model")
     # info.json last: its presence marks a usable cache.
     (cache / "info.json").write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from bapo_nemo.export.checkpoint import ExportError, resolve_checkpoint
+from bapo_nemo.tracking.redact import REDACTED, redact_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -58,14 +59,8 @@ def main(args: argparse.Namespace) -> int:
             from bapo_nemo.export.megatron import export_megatron
 
             result = export_megatron(ref, args.out, force=args.force)
-        elif args.fp8:
-            from bapo_nemo.export.fp8 import export_fp8
-
-            result = export_fp8(ref, args.out, force=args.force, parity_prompts=prompts)
         else:
-            from bapo_nemo.export.hf import export_embedded
-
-            result = export_embedded(ref, args.out, force=args.force, parity_prompts=prompts)
+            result = _export_embedded(args, ref, prompts)
         if result.parity is not None:
             print(f"max_abs_logprob_diff={result.parity.max_abs_diff:.6g}")
         if args.register_model:
@@ -78,8 +73,29 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {result.out_dir}")
         return 0
     except (ExportError, ValueError, FileNotFoundError) as exc:
-        print(f"bapo-nemo export: error: {exc}", file=sys.stderr)
+        print(f"bapo-nemo export: error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
+
+
+def _export_embedded(args: argparse.Namespace, ref, prompts):
+    """HF (or FP8) export of an embedded checkpoint. Given a run directory whose newest checkpoint the still
+    running trainer prunes while it is read, the export moves on to the newest one (and says so)."""
+    from bapo_nemo.export.hf import CheckpointVanished
+
+    if args.fp8:
+        from bapo_nemo.export.fp8 import export_fp8 as export
+    else:
+        from bapo_nemo.export.hf import export_embedded as export
+    for attempt in range(3):
+        try:
+            return export(ref, args.out, force=args.force, parity_prompts=prompts)
+        except CheckpointVanished:
+            if ref.path == Path(args.checkpoint).resolve() or attempt == 2:  # the user named this step
+                raise
+            newer = resolve_checkpoint(args.checkpoint)
+            print(f"note: {ref.path.name} was deleted by the training run's checkpoint pruning while it was read; "
+                  f"exporting {newer.path.name}, now the newest")
+            ref = newer
 
 
 def _check_registrable(step_dir: Path, tracking_uri: str | None) -> None:
@@ -88,8 +104,10 @@ def _check_registrable(step_dir: Path, tracking_uri: str | None) -> None:
     if not info.get("mlflow_run_id"):
         raise ExportError(f"{info_file} records no MLflow run id, so the export cannot be attached to its run "
                           "for --register-model; export without it, or export a tracked checkpoint")
-    if not (tracking_uri or info.get("mlflow_tracking_uri")):
-        raise ExportError(f"{info_file} records no mlflow_tracking_uri: pass --tracking-uri")
+    recorded = info.get("mlflow_tracking_uri")
+    if not tracking_uri and (not recorded or REDACTED in recorded):
+        why = "no mlflow_tracking_uri" if not recorded else "the tracking URI with its password redacted"
+        raise ExportError(f"{info_file} records {why}: pass --tracking-uri")
 
 
 def _checkpoint_tracking_uri(step_dir: Path) -> str:

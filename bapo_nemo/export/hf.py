@@ -1,9 +1,12 @@
 """Embedded checkpoint -> Hugging Face directory (safetensors, config, generation config, tokenizer, model
 card), written into a temporary sibling directory and renamed into place only after the parity check
-passed, so a failed or interrupted export never leaves a half-written directory behind."""
+passed, so a failed or interrupted export never leaves a half-written directory behind. What stands at
+--out is checked again at the rename, under a lock that exports into one directory share: a directory that
+appeared there meanwhile (another export's, or anything else) is never replaced without --force."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +26,7 @@ from bapo_nemo.export.parity import (
     token_logprobs,
     tolerance_for,
 )
+from bapo_nemo.tracking.redact import redact_nested
 
 
 @dataclass
@@ -79,16 +83,34 @@ def atomic_output_dir(out: str | Path, force: bool, source: Path | None = None):
         yield tmp
         (tmp / EXPORT_MARKER).write_text(f"bapo-nemo export of {source}\n" if source else "bapo-nemo export\n")
         respect_umask(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        with _exports_take_turns(out.parent):
+            existed = out.exists()
+            try:
+                check_output_dir(out, force, source)  # again: the export took a while
+            except ExportError as exc:
+                raise ExportError(f"{out} appeared while this export ran (another export into it, or another "
+                                  f"process), and this export was discarded: {exc}") from None
+            if existed:  # a previous export, and --force
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                os.replace(out, old)
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)  # fails rather than replace a directory with files in it
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _exports_take_turns(parent: Path):
+    """An flock on the directory that holds --out: exports into it check and rename one at a time."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def respect_umask(root: Path) -> None:
@@ -101,11 +123,29 @@ def respect_umask(root: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+class CheckpointVanished(ExportError):
+    """The checkpoint was deleted while it was read (a run still training prunes its older checkpoints)."""
+
+
 def load_embedded(ref: CheckpointRef):
-    """(model, tokenizer, training_info, config) of an embedded checkpoint; load errors name the file."""
+    """(model, tokenizer, training_info, config) of an embedded checkpoint, all in memory; load errors name
+    the file, and a checkpoint deleted meanwhile raises CheckpointVanished."""
+    try:
+        return _load_embedded(ref)
+    except (ExportError, OSError) as exc:
+        if ref.path.exists():
+            raise
+        raise CheckpointVanished(
+            f"{ref.path} was deleted while it was read: the run that owns it still trains and deletes its older "
+            f"checkpoints (checkpoint.keep_last). Export the run directory {run_root(ref.path)} to get its newest "
+            "checkpoint, or wait until the run finishes"
+        ) from exc
+
+
+def _load_embedded(ref: CheckpointRef):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    info = validate_embedded(ref)
+    info = redact_nested(validate_embedded(ref))  # written into the export and its model card
     try:
         model = AutoModelForCausalLM.from_pretrained(str(ref.path / "model"), dtype="auto").eval()
     except Exception as exc:
@@ -199,8 +239,10 @@ def export_embedded(ref: CheckpointRef, out: str | Path, force: bool = False,
     with atomic_output_dir(out, force, ref.path) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         save_round_trip_tokenizer(tokenizer, tmp)
-        if (ref.path / "model" / "generation_config.json").is_file():
+        try:  # the file as trained (save_pretrained wrote the loaded copy, in case a pruning removed it since)
             shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
+        except FileNotFoundError:
+            pass
         (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
 
         # parity: reload the written directory exactly as a user would; its tokenizer must encode each

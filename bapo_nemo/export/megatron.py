@@ -21,6 +21,7 @@ import yaml
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
 from bapo_nemo.export.hf import ExportResult, atomic_output_dir, model_card
 from bapo_nemo.export.parity import compare, criterion_for, read_reference_logprobs, token_logprobs
+from bapo_nemo.tracking.redact import redact_text
 
 
 def hf_overrides(policy: dict) -> dict:
@@ -114,4 +115,6 @@ def _saved_run(step_dir: Path) -> dict:
     if not path.is_file():
         return {}
     saved = json.loads(path.read_text())
-    return {"mlflow_run_id": saved.get("run_id"), "mlflow_tracking_uri": saved.get("tracking_uri")}
+    # written redacted since bapo-nemo redacts what it writes; an older file may hold the password
+    uri = saved.get("tracking_uri")
+    return {"mlflow_run_id": saved.get("run_id"), "mlflow_tracking_uri": redact_text(uri) if uri else None}

@@ -18,6 +18,7 @@ def register_export(result: ExportResult, name: str, tracking_uri: str, artifact
     from mlflow.tracking import MlflowClient
 
     from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri
+    from bapo_nemo.tracking.redact import redact_text
 
     client = MlflowClient(tracking_uri=check_tracking_uri(tracking_uri), registry_uri=tracking_uri)
     run_id = result.run_id
@@ -27,7 +28,8 @@ def register_export(result: ExportResult, name: str, tracking_uri: str, artifact
     try:
         client.get_run(run_id)
     except MlflowException as exc:
-        raise ValueError(f"MLflow run {run_id} (from {result.source}) is not in {tracking_uri}: pass --tracking-uri "
+        raise ValueError(f"MLflow run {run_id} (from {result.source}) is not in {redact_text(tracking_uri)}: pass "
+                         "--tracking-uri "
                          "with the store the run was tracked in") from exc
     client.log_artifacts(run_id, str(result.out_dir), artifact_path)
     if result.parity is not None:

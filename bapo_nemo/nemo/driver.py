@@ -89,7 +89,12 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
     if not options.bapo.enabled or options.bapo.granularity != "step":
         return
     policy.train = StepBoundsTrainer(
-        policy, options, master_config.loss_fn.model_dump(), master_config.policy["train_global_batch_size"]
+        policy,
+        options,
+        master_config.loss_fn.model_dump(),
+        master_config.policy["train_global_batch_size"],
+        group_size=master_config.grpo["num_generations_per_prompt"],
+        seed=master_config.grpo.get("seed", 0),
     )
 
 
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl.utils.logger import get_next_experiment_dir
     from omegaconf import OmegaConf
 
+    from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
     register_omegaconf_resolvers()
@@ -208,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
 
     install_packed_width_guard(policy, master_config.policy)  # FP8 packing x fused loss (see packing.py)
     install_step_bounds(policy, loss_fn, master_config)
+    policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
     if partial_hook is not None:
         partial_hook.attach(policy, checkpointer)
     if master_config.checkpointing["enabled"]:
         from bapo_nemo.nemo.parity_recorder import attach_parity_recorder
 
         attach_parity_recorder(checkpointer, policy, tokenizer, master_config)  # for `bapo-nemo export`'s parity
-    after_setup(master_config.model_dump(), logger)
+    tracker = after_setup(master_config.model_dump(), logger)
+    warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     from bapo_nemo.nemo.deadline import apply_job_deadline
 
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done

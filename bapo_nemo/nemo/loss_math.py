@@ -26,7 +26,10 @@ import torch
 from bapo_nemo.algorithm import ClipSearchResult
 
 # Per-step metrics that are token-weighted means of a per-micro-batch value.
-WEIGHTED_MEAN_METRICS = ("c_low", "c_high", "rho", "rho_initial", "target_met", "steps")
+WEIGHTED_MEAN_METRICS = ("c_low", "c_high", "target_met", "steps")
+# The positive share P / (P + N) is 0 / 0 without advantage mass: weighted by signal tokens (A != 0) only,
+# and divided by the step's signal share on the driver (`step_signal.signal_weighted_shares`).
+SIGNAL_WEIGHTED_METRICS = ("rho", "rho_initial")
 # Per-step metrics that are shares of all valid tokens of the step.
 TOKEN_SHARE_METRICS = (
     "pos_token_frac",
@@ -148,24 +151,26 @@ def nemo_step_metrics(
 ) -> dict[str, float]:
     """BAPO metrics for one loss call, scaled for NeMo-RL's sum-over-micro-batches aggregation.
 
-    Each per-micro-batch value v (bounds, rho, target met, search steps) is emitted as
+    Each per-micro-batch value v (bounds, target met, search steps) is emitted as
     v * n_local / global_valid_toks: summed over the micro-batches and data-parallel ranks of one
     optimizer step this is the token-weighted mean of v, and NeMo-RL's division by the number of
     optimizer steps per train() call averages over those steps. Token shares are counts / global tokens.
+    rho and rho_initial are weighted by the local signal tokens (A != 0) instead: their sum over the
+    step divided by the summed pos + neg token shares is the signal-weighted mean, undefined (and not
+    logged) for a step without signal.
     """
     g = float(global_valid_toks)
     if g <= 0:
         return {}
-    weight = counts["valid"] / g
+    weight, signal = counts["valid"] / g, (counts["pos"] + counts["neg"]) / g
     values = {
         "c_low": result.c_low,
         "c_high": result.c_high,
-        "rho": result.rho,
-        "rho_initial": result.rho_initial,
         "target_met": float(result.target_met),
         "steps": float(result.steps),
     }
     metrics = {PREFIX + k: v * weight for k, v in values.items()}
+    metrics.update({PREFIX + "rho": result.rho * signal, PREFIX + "rho_initial": result.rho_initial * signal})
     metrics.update(
         {
             PREFIX + "pos_token_frac": counts["pos"] / g,

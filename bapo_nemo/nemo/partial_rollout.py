@@ -48,6 +48,7 @@ from bapo_nemo.nemo.segment_io import (
     decode_rows,
     encode_row,
     exclude_stale_prefix,
+    generation_engines,
     generation_inputs,
     prompt_token_ids,
 )
@@ -59,6 +60,7 @@ from bapo_nemo.rollout import (
     Rollout,
     RolloutGroup,
 )
+from bapo_nemo.rollout.balance import balanced_order
 from bapo_nemo.rollout.config import check_partial_rollout_config
 from bapo_nemo.rollout.config import config_get as _get
 
@@ -269,8 +271,13 @@ class PartialRolloutHook:
         stop_ids = tuple(self.stop_token_ids) + ((eos,) if isinstance(eos, int) else ())
         wrap = _batch_class()
 
+        engines = generation_engines(policy_generation)
+
         def generate_fn(contexts: list[list[int]], max_new_tokens: int) -> list[GenerationChunk]:
-            input_ids, input_lengths = generation_inputs(contexts, pad)
+            # The backend gives each engine a contiguous shard; the schedule lists the oldest (longest)
+            # responses first, so the rows are dealt across the shards and the chunks put back in order.
+            order = balanced_order([len(c) for c in contexts], engines)
+            input_ids, input_lengths = generation_inputs([contexts[i] for i in order], pad)
             data = wrap(
                 {
                     "input_ids": input_ids,
@@ -279,7 +286,11 @@ class PartialRolloutHook:
                 }
             )
             outputs = policy_generation.generate(data, greedy=greedy)
-            return chunks_from_generation_outputs(outputs, input_lengths.tolist(), max_new_tokens, stop_ids)
+            chunks = chunks_from_generation_outputs(outputs, input_lengths.tolist(), max_new_tokens, stop_ids)
+            in_order: list[GenerationChunk] = [chunks[0]] * len(contexts)
+            for position, row in enumerate(order):
+                in_order[row] = chunks[position]
+            return in_order
 
         return generate_fn
 

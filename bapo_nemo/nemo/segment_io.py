@@ -105,6 +105,16 @@ def generation_inputs(contexts: list[list[int]], pad_token_id: int) -> tuple[tor
     return input_ids, lengths
 
 
+def generation_engines(policy_generation: Any) -> int:
+    """How many engines a generate call is sharded over: v0.7.0's VllmGeneration shards its rows over
+    the `data_parallel` axis of its `sharding_annotations`; a backend without one counts as one."""
+    sharding = getattr(policy_generation, "sharding_annotations", None)
+    try:
+        return max(1, int(sharding.get_axis_size("data_parallel")))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 1
+
+
 def chunks_from_generation_outputs(
     outputs: Mapping, input_lengths: list[int], max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()
 ) -> list[GenerationChunk]:

@@ -14,6 +14,11 @@ Cost, precisely:
   that global batch (about a third of its forward+backward) and the train() call is split into k calls.
   NeMo-RL's LR scheduler ticks once per train() call, so then it ticks once per optimizer step: express
   warm-up/decay in optimizer steps.
+- `step_bounds_sample` (NemoBAPOOptions) cuts that pass: with 0 < f < 1 it runs over a random sample of
+  round(f x groups) of the global batch's prompt groups (grpo_train keeps each prompt's G samples in
+  consecutive rows), at least one, grown until its rows split evenly over the data-parallel ranks, and
+  the bounds searched on the sample clip the whole step; with 0 it does not run and the search uses
+  `prev_logprobs` (the weights at the start of the rollout batch).
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ def search_step_bounds(
             loss_cfg.get("truncated_importance_sampling_ratio_min"),
         )
     return search_clip_bounds(ratio, advantages, mask, options.bapo, all_reduce=None, weights=weights)
+
+
+def sampled_group_rows(
+    rows: int, group_size: int, fraction: float, generator: torch.Generator, row_multiple: int = 1
+) -> list[int]:
+    """Rows of a random sample of round(fraction x groups) whole prompt groups (at least one), in batch
+    order; more groups are taken while the row count is not a multiple of `row_multiple` (v0.7.0's
+    get_logprobs shards its rows evenly over the data-parallel ranks)."""
+    groups = rows // group_size
+    k = min(groups, max(1, round(fraction * groups)))
+    while (k * group_size) % row_multiple and k < groups:
+        k += 1
+    picked = sorted(torch.randperm(groups, generator=generator)[:k].tolist())
+    return [g * group_size + i for g in picked for i in range(group_size)]
 
 
 def attach_bounds(batch, result: ClipSearchResult) -> None:
@@ -131,12 +150,36 @@ class StepBoundsTrainer:
         loss_cfg: dict[str, Any],
         global_batch_size: int,
         train_fn: Callable | None = None,
+        group_size: int = 1,
+        seed: int = 0,
     ):
         self.policy = policy
         self.options = options
         self.loss_cfg = loss_cfg
         self.global_batch_size = int(global_batch_size)
         self.train_fn = train_fn or policy.train  # the original bound method
+        self.group_size = int(group_size)  # grpo.num_generations_per_prompt: consecutive rows of one prompt
+        self.generator = torch.Generator().manual_seed(int(seed))  # the sampled groups
+        sample = options.step_bounds_sample
+        if 0 < sample < 1 and (self.group_size < 1 or self.global_batch_size % self.group_size):
+            raise ValueError(
+                f"loss_fn.bapo.step_bounds_sample={sample} samples whole prompt groups, but "
+                f"policy.train_global_batch_size={self.global_batch_size} is not a multiple of "
+                f"grpo.num_generations_per_prompt={self.group_size}: make it one, or set the sample to 0 or 1"
+            )
+
+    def step_search(self, batch, timer=None) -> ClipSearchResult:
+        """The bounds of an optimizer step after the first of a rollout batch (the module docstring)."""
+        sample = self.options.step_bounds_sample
+        if sample == 0:
+            return search_step_bounds(batch, batch["prev_logprobs"], self.options, self.loss_cfg)
+        if sample < 1:
+            dp = int(getattr(self.policy, "data_parallel_size", 1) or 1)
+            rows = sampled_group_rows(batch.size, self.group_size, sample, self.generator, dp)
+            if len(rows) < batch.size:
+                batch = batch.select_indices(rows)
+        current = self.policy.get_logprobs(batch, timer=timer)["logprobs"]  # the extra no-grad pass
+        return search_step_bounds(batch, current, self.options, self.loss_cfg)
 
     def __call__(
         self,
@@ -157,10 +200,10 @@ class StepBoundsTrainer:
         results = []
         for step in range(num_steps):
             batch = data.slice(step * gbs, (step + 1) * gbs) if num_steps > 1 else data
-            if step == 0:
-                current = batch["prev_logprobs"]  # current weights, computed just before train()
+            if step == 0:  # prev_logprobs: the current weights, computed just before train()
+                result = search_step_bounds(batch, batch["prev_logprobs"], self.options, self.loss_cfg)
             else:
-                current = self.policy.get_logprobs(batch, timer=timer)["logprobs"]  # the extra no-grad pass
-            attach_bounds(batch, search_step_bounds(batch, current, self.options, self.loss_cfg))
+                result = self.step_search(batch, timer)
+            attach_bounds(batch, result)
             results.append(self.train_fn(batch, loss_fn, eval_mode=False, gbs=gbs, **kwargs))
         return results[0] if num_steps == 1 else merge_train_results(results)

@@ -10,15 +10,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bapo_nemo.plan.checks import (
-    Finding,
-    check_config,
-    plan_cluster,
-    search_statistics_rules,
-    step_granularity_cost_for,
-    value,
-)
-from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
+from bapo_nemo.plan.checks import Finding, check_config, plan_cluster, value
+from bapo_nemo.plan.config_io import ConfigLoadError, get, load_nemo_config
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
 from bapo_nemo.plan.search_stats import (
@@ -31,12 +25,8 @@ from bapo_nemo.plan.search_stats import (
     read_lengths,
 )
 from bapo_nemo.plan.signal_lead import lead_warning, shipped_sbatch, signal_line
-from bapo_nemo.plan.step_time import (
-    DEFAULT_FS_WRITE_GBPS_PER_NODE,
-    StepTimeEstimate,
-    estimate_step_time,
-    shape_from_config,
-)
+from bapo_nemo.plan.step_plan import StepPlan, driver_state_gb, length_model, plan_step
+from bapo_nemo.plan.step_time import DEFAULT_FS_WRITE_GBPS_PER_NODE
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -99,10 +89,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mean-length-share",
         type=float,
-        default=0.5,
-        help="mean sample length (prompt + response) as a share of policy.max_total_sequence_length for "
-        "the step-time estimate (default 0.5: long chain-of-thought math averages about a third of the "
-        "budget, see --response-length-median; 1 = every sample at full length, the longest step)",
+        default=None,
+        help="every sample (prompt + response) at this share of policy.max_total_sequence_length, instead of "
+        "the response-length distribution above, for the step-time estimate (1 = every sample at full "
+        "length, the longest step a config can produce)",
     )
     parser.add_argument(
         "--sbatch",
@@ -167,8 +157,9 @@ def _positive_int(text: str) -> int:
     return number
 
 
-def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, list[Finding]]:
-    """Step and save time, and the signal lead they ask for against the batch script's."""
+def step_time_check(args, config: dict, plan) -> tuple[StepPlan | None, list[Finding]]:
+    """The step with and without partial rollouts, the save, and the signal lead the config's own choice
+    asks for against the batch script's."""
     if plan is None:
         return None, []
     try:
@@ -177,30 +168,34 @@ def step_time_check(args, config: dict, plan) -> tuple[StepTimeEstimate | None, 
         return None, []  # run_check reported it
     if args.fs_write_gbps <= 0:
         return None, [Finding("error", "--fs-write-gbps", "must be a positive bandwidth in GB/s, e.g. 1.0")]
-    if not 0 < args.mean_length_share <= 1:
+    if args.mean_length_share is not None and not 0 < args.mean_length_share <= 1:
         return None, [Finding("error", "--mean-length-share", "must be in (0, 1], e.g. 0.5")]
-    shape = shape_from_config(config, plan.train_gpus, plan.generation_gpus, args.mean_length_share)
-    est = estimate_step_time(
-        model, shape, args.gpu, GPU_CAPACITY_GB[args.gpu] * GB, args.nodes, args.fs_write_gbps
+    options = length_options(args)
+    if isinstance(options, Finding):
+        return None, []  # run_check reported it
+    lengths = length_model(options[0], config, args.prompt_tokens, args.mean_length_share)
+    step, findings = plan_step(
+        config, plan, model, args.gpu, args.nodes, lengths, args.prompt_tokens, args.fs_write_gbps
     )
+    if step is None:
+        return None, findings
+    lead = step.estimate.recommended_lead_s
     sbatch = Path(args.sbatch) if args.sbatch else shipped_sbatch(args.config)
     if sbatch is None or not sbatch.is_file():
         if args.sbatch:
-            missing = f"{args.sbatch} not found: pass an existing batch script"
-            return est, [Finding("error", "--sbatch", missing)]
-        return est, []
+            return step, findings + [Finding("error", "--sbatch", f"{args.sbatch} not found: pass an existing batch script")]
+        return step, findings
     signal = signal_line(sbatch)
     if signal is None:
-        return est, [
+        return step, findings + [
             Finding(
                 "warning",
                 "#SBATCH --signal",
-                f"{sbatch} has no `#SBATCH --signal=B:USR1@SECONDS` line: add one with at least "
-                f"{est.recommended_lead_s} seconds",
+                f"{sbatch} has no `#SBATCH --signal=B:USR1@SECONDS` line: add one with at least {lead} seconds",
             )
         ]
-    message = lead_warning(signal, est.recommended_lead_s)
-    return est, [] if message is None else [Finding("warning", "#SBATCH --signal", message)]
+    message = lead_warning(signal, lead)
+    return step, findings + ([] if message is None else [Finding("warning", "#SBATCH --signal", message)])
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
@@ -239,6 +234,113 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
     return config, findings, mem, plan
 
 
+def _seconds(est) -> dict:
+    return {
+        "generation": est.generation_s,
+        "logprob_passes": est.logprob_s,
+        "training": est.train_s,
+        "step": est.step_s,
+        "validation": est.validation_s,
+        "save": est.save_s,
+        "margin": est.margin_s,
+        "recommended_signal_lead": est.recommended_lead_s,
+        "bapo_step_granularity": est.bapo_s,
+        "bapo_share": est.bapo_share,
+    }
+
+
+def _stats(report, stats) -> dict:
+    return {
+        "generated_tokens_per_s": stats.tokens_per_s,
+        "speedup": report.speedup(stats),
+        "generation_s": report.generation_s(stats),
+        "iterations_per_step": stats.iterations,
+        "prefill_share": stats.prefill_share,
+        "preemptions_per_step": stats.preemptions,
+        "staleness_mean": stats.staleness_mean,
+        "stale_token_share": stats.stale_token_share,
+        "truncated_share": stats.truncated_share,
+        "in_flight_responses": stats.in_flight_responses,
+        "in_flight_tokens": stats.in_flight_tokens,
+    }
+
+
+def generation_json(step: StepPlan) -> dict:
+    r = step.report
+    json_gb, ram_gb = driver_state_gb(step.state_tokens)
+    return {
+        "engines": r.shape.engines,
+        "kv_cache_tokens_per_engine": r.shape.engine.kv_tokens,
+        "response_tokens_mean": r.response_tokens,
+        "without_partial_rollouts": _stats(r, r.without),
+        "configured": None if r.configured is None else _stats(r, r.configured),
+        "budget_sweep": {str(b): _stats(r, s) for b, s in r.sweep.items()},
+        "best_budget": r.best_budget,
+        "prefill_batches": r.prefill_batches,
+        "step_time_without_partial_rollouts_s": _seconds(step.without),
+        "step_time_best_budget_s": None if step.best is None else _seconds(step.best),
+        "partial_rollout_state_gb": {"checkpoint_json": json_gb, "driver_memory": ram_gb},
+    }
+
+
+def print_generation(console: Console, step: StepPlan, config: dict, args) -> None:
+    r, shape = step.report, step.report.shape
+    gpus = shape.engines * shape.engine.gpus
+    lengths = (
+        f"every sample at {args.mean_length_share:g} x max_total_sequence_length"
+        if args.mean_length_share is not None
+        else "measured lengths from " + args.response_lengths
+        if args.response_lengths
+        else f"log-normal median {args.response_length_median:g}, sigma {args.response_length_sigma:g}"
+    )
+    console.print(
+        f"generation model (simulated continuous batching, a planning figure): {shape.engines} vLLM engines of "
+        f"{shape.engine.gpus} GPUs, KV cache {shape.engine.kv_tokens:,} tokens each "
+        f"({shape.engine.kv_tokens // shape.max_model_len} sequences at max_model_len); responses {lengths}: "
+        f"mean {r.response_tokens:,.0f} tokens, cap {shape.response_cap:,}"
+    )
+
+    def line(label, stats, est) -> str:
+        return (
+            f"  {label}: {stats.tokens_per_s:,.0f} generated tokens/s ({stats.tokens_per_s / gpus:,.0f}/GPU, "
+            f"{r.speedup(stats):.2f}x), generation {est.generation_s:.0f}s, step {est.step_s:.0f}s"
+        )
+
+    console.print(line("without partial rollouts", r.without, step.without))
+    if r.configured is not None:
+        c = r.configured
+        console.print(
+            line(f"with this config's partial rollouts (token_budget {r.configured_budget}, prefill_batches "
+                 f"{r.prefill_batches})", c, step.configured)
+            + f"; tokens {c.staleness_mean:.1f} policy versions old on average ({c.stale_token_share:.0%} from "
+            f"older policies), prefill {c.prefill_share:.0%} of engine time, {c.preemptions:,.0f} preemptions "
+            "per step"
+        )
+        json_gb, ram_gb = driver_state_gb(step.state_tokens)
+        console.print(
+            f"  partial-rollout state: ~{c.in_flight_responses:,.0f} responses, {step.state_tokens / 1e6:.1f}M "
+            f"tokens in flight after a step: partial_rollouts.json ~{json_gb:.2f} GB per checkpoint (in the "
+            f"save time), ~{ram_gb:.1f} GB of driver memory"
+        )
+    if r.sweep:
+        rest = step.without.logprob_s + step.without.train_s
+        cells = ", ".join(
+            f"{b}: {s.tokens_per_s:,.0f} tok/s, step {r.generation_s(s) + rest:.0f}s" for b, s in r.sweep.items()
+        )
+        console.print(
+            f"  token_budget sweep (prefill_batches {r.prefill_batches}, max_resumptions to the cap): {cells}; "
+            f"best {r.best_budget}"
+        )
+    est = step.estimate
+    if est.bapo_s > 0:
+        console.print(
+            f"BAPO's own cost (granularity step's extra log-prob passes, step_bounds_sample "
+            f"{(get(config, 'loss_fn.bapo') or {}).get('step_bounds_sample', 1)}): {est.bapo_s:.0f}s = "
+            f"{est.bapo_share:.1%} of the step"
+            + (f" ({step.without.bapo_share:.1%} without partial rollouts)" if step.configured else "")
+        )
+
+
 def main(args) -> int:
     console = Console(width=130)
     try:
@@ -246,11 +348,12 @@ def main(args) -> int:
     except ConfigLoadError as exc:
         console.print(f"[bold red]error[/]: {exc}")
         return 1
-    step_time, lead_findings = step_time_check(args, config, plan)
-    findings = findings + lead_findings
+    step, step_findings = step_time_check(args, config, plan)
+    findings = findings + step_findings
     errors = [x for x in findings if x.level == "error"]
     stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
     cost = step_cost(args, config, plan)
+    step_time = step.estimate if step is not None else None
     if args.json:
         print(
             json.dumps(
@@ -271,18 +374,8 @@ def main(args) -> int:
                     },
                     "bound_search": None if stats is None else stats.__dict__,
                     "step_granularity_cost": None if cost is None else cost.__dict__,
-                    "step_time_s": None
-                    if step_time is None
-                    else {
-                        "generation": step_time.generation_s,
-                        "logprob_passes": step_time.logprob_s,
-                        "training": step_time.train_s,
-                        "step": step_time.step_s,
-                        "validation": step_time.validation_s,
-                        "save": step_time.save_s,
-                        "margin": step_time.margin_s,
-                        "recommended_signal_lead": step_time.recommended_lead_s,
-                    },
+                    "step_time_s": None if step_time is None else _seconds(step_time),
+                    "generation": None if step is None else generation_json(step),
                 },
                 indent=2,
             )
@@ -329,12 +422,13 @@ def main(args) -> int:
             f"{cost.extra_pflops:.0f} PFLOPs = {cost.share_of_training:.1%} of the training compute "
             f"(<= {cost.share_of_step:.1%} of the step with generation); the LR scheduler ticks per optimizer step"
         )
+    if step is not None:
+        print_generation(console, step, config, args)
     if step_time is not None:
         console.print(
-            f"estimated step time (mean sample at {args.mean_length_share:g} x max_total_sequence_length; "
-            "a planning figure): "
-            f"{step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob passes "
-            f"{step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
+            f"estimated step time (this config{' with its partial rollouts' if step.configured else ''}; a "
+            f"planning figure): {step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob "
+            f"passes {step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
             f"{step_time.validation_s:.0f}s; checkpoint save {step_time.save_s:.0f}s at "
             f"{args.fs_write_gbps:g} GB/s per node"
         )

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,19 @@ class ConfigLoadError(ValueError):
     """The config file or an override cannot be read; the message names the file or the override."""
 
 
+def _register_resolver(name: str, fn: Any) -> None:
+    """Register `fn` under `name` with the resolver API of the installed OmegaConf, without a warning.
+
+    The name changed meaning: in 2.3 `register_resolver(name, fn)` is the deprecated legacy API (string
+    arguments) and `register_new_resolver` the current one; 2.4 deprecates `register_new_resolver` and makes
+    `register_resolver` the current API, with the same keyword-only `replace`/`use_cache` options.
+    """
+    if "use_cache" in inspect.signature(OmegaConf.register_resolver).parameters:  # OmegaConf >= 2.4
+        OmegaConf.register_resolver(name, fn)
+    else:  # OmegaConf 2.3 (NeMo-RL v0.7.0 pins 2.3.0)
+        OmegaConf.register_new_resolver(name, fn)
+
+
 def register_resolvers() -> None:
     for name, fn in (
         ("mul", lambda a, b: a * b),
@@ -27,7 +41,7 @@ def register_resolvers() -> None:
         ("max", lambda a, b: max(a, b)),
     ):
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+            _register_resolver(name, fn)
 
 
 def _merge(base: DictConfig, child: DictConfig) -> DictConfig:

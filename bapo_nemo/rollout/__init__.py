@@ -7,15 +7,15 @@
 See docs/partial_rollouts.md.
 """
 
-from bapo_nemo.rollout.config import PartialRolloutConfig, PartialRolloutConfigError, StaleSegments
-from bapo_nemo.rollout.partial import (
-    GenerationOutputError,
-    PartialRolloutManager,
-    PartialRolloutStateError,
-)
-from bapo_nemo.rollout.replay import ReplayBuffer, ReplayStateError, split_minibatches
-from bapo_nemo.rollout.types import GenerateFn, GenerationChunk, PromptItem, Rollout, RolloutGroup
+from bapo_nemo.lazy_exports import lazy_exports
 
+# each name is imported from its submodule on first use, so the config alone loads without torch
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "types": ["GenerateFn", "GenerationChunk", "PromptItem", "Rollout", "RolloutGroup"],
+    "partial": ["GenerationOutputError", "PartialRolloutManager", "PartialRolloutStateError"],
+    "config": ["PartialRolloutConfig", "PartialRolloutConfigError", "StaleSegments"],
+    "replay": ["ReplayBuffer", "ReplayStateError", "split_minibatches"],
+})
 __all__ = [
     "GenerateFn",
     "GenerationChunk",

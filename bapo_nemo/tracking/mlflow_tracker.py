@@ -11,22 +11,28 @@ that dies with records still journaled replays them the next time a tracker open
 
 Records the server rejects for good (e.g. an invalid value) move to ``<run_id>.rejected.jsonl`` with the
 error, so one bad record cannot block the queue and nothing is silently dropped.
+
+Secrets never leave: params, tags, the run and experiment names and every message naming the tracking
+URI go through ``bapo_nemo.tracking.redact``. A new sqlite store is created under a lock beside it, so two
+runs starting at once never run MLflow's schema migrations into one file together.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from bapo_nemo.tracking.redact import flatten_and_redact, redact, redact_nested
+from bapo_nemo.tracking.redact import flatten_and_redact, redact, redact_nested, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,13 @@ _METRICS_PER_BATCH = 1000  # MLflow log_batch limits
 _PARAMS_PER_BATCH = 100
 _TAGS_PER_BATCH = 100
 _PROGRESS_MIN_RECORDS = 200
+# The experiment tag MLflow 3 uses to tell a training experiment from a GenAI one (its UI writes it when a
+# user picks the type; the UIs that introduced experiment types open the experiment in the view it names).
+# The UI of MLflow 3.17 picks the view from its sidebar's GenAI / Model training switch instead (the
+# `workflowType` URL parameter, else the browser's last choice; docs/tracking.md), so the UI link a run
+# prints carries that parameter.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
 
 
 class TrackingConfigError(ValueError):
@@ -57,19 +70,45 @@ class TrackingUnavailableError(RuntimeError):
 def check_tracking_uri(tracking_uri: str) -> str:
     """Accept ``sqlite:///path.db``, ``http(s)://host:port``, ``databricks``/``postgresql``/``mysql``; refuse a
     plain file store: metric names such as ``reward/mean`` become nested paths there and MLflow 3 refuses
-    it by default."""
+    it by default. For a URI with a password, MLflow's printing of run URLs is turned off."""
     if not tracking_uri or not isinstance(tracking_uri, str):
         raise TrackingConfigError("tracking_uri is empty: use sqlite:///<dir>/mlflow.db or http://<host>:<port>")
     scheme = urlparse(tracking_uri).scheme
     if scheme in ("", "file") or (len(scheme) == 1 and tracking_uri[1:3] == ":\\"):
         raise TrackingConfigError(
-            f"tracking_uri {tracking_uri!r} is a plain file store, which breaks on metric names containing "
+            f"tracking_uri {redact_text(tracking_uri)!r} is a plain file store, which breaks on metric names containing "
             "'/' (e.g. reward/mean) and is refused by MLflow 3: use sqlite:///<dir>/mlflow.db (no server "
             "needed) or the URL of an MLflow server, e.g. http://127.0.0.1:5000"
         )
     if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
-        raise TrackingConfigError(f"tracking_uri {tracking_uri!r}: write sqlite URIs as sqlite:///<path>.db")
+        raise TrackingConfigError(f"tracking_uri {redact_text(tracking_uri)!r}: write sqlite URIs as "
+                                  "sqlite:///<path>.db")
+    if redact_text(tracking_uri) != tracking_uri:  # MLflow prints "View run ... at: <URL with the password>"
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     return tracking_uri
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, else None."""
+    return Path(tracking_uri[len("sqlite:///"):]).expanduser() if tracking_uri.startswith("sqlite:///") else None
+
+
+@contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Hold an exclusive flock on ``<db>.lock`` beside a sqlite store (nothing for a server). MLflow creates
+    a new store's tables and runs its schema migrations in whichever process opens the file first; two
+    doing it at once can leave it half-migrated for every later run, so they take turns here."""
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _is_remote(tracking_uri: str) -> bool:
@@ -106,11 +145,16 @@ class MlflowTracker:
         retry_interval_s: float = 30.0,
     ) -> None:
         self.tracking_uri = check_tracking_uri(tracking_uri)
+        self.shown_uri = redact_text(self.tracking_uri)  # for messages: never the password of the URI
         if not experiment_name:
             raise TrackingConfigError("experiment_name is empty: give the MLflow experiment a name")
-        self.experiment_name = experiment_name
-        self.run_name = run_name
+        self.experiment_name = redact_text(experiment_name)
+        self.run_name = redact_text(run_name) if run_name is not None else None
+        if self.run_name != run_name:
+            log.warning("the MLflow run name looks like a secret (a token or a URL with a password); the run "
+                        "is named %r instead", self.run_name)
         self._run_id = run_id
+        self.experiment_id: str | None = None  # known once start() reached the store
         self.buffer_dir = Path(buffer_dir) if buffer_dir is not None else Path.cwd() / ".bapo_mlflow_buffer"
         self.retry_interval_s = retry_interval_s
         if _is_remote(self.tracking_uri):
@@ -118,7 +162,8 @@ class MlflowTracker:
                 os.environ.setdefault(var, value)
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        with store_lock(self.tracking_uri):  # the client opens (and, the first time, creates) the store
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self._pending: list[dict[str, Any]] = []
         self._next_seq = 1
         self._offline_until = 0.0
@@ -171,6 +216,12 @@ class MlflowTracker:
         if values:
             self._journal({"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values})
             self._send_pending()
+
+    def log_tags(self, tags: Mapping[str, str]) -> None:
+        """Set run tags (e.g. a warning the UI should show on the run's page); journaled like metrics."""
+        self._require_started()
+        self._journal({"kind": "tags", "tags": redact({str(k): str(v) for k, v in tags.items()})})
+        self._send_pending()
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a file or directory; when the server is down a copy waits in the buffer directory."""
@@ -230,34 +281,53 @@ class MlflowTracker:
             log.warning(
                 "MLflow server %s unreachable: %d records of run %s wait in %s; they are replayed the next "
                 "time MlflowTracker(run_id=%r, buffer_dir=...) opens this run and calls flush()",
-                self.tracking_uri, remaining, self._run_id, self._journal_path(), self._run_id,
+                self.shown_uri, remaining, self._run_id, self._journal_path(), self._run_id,
             )
 
     # ---- run creation / resumption ---------------------------------------------------------------
     def _create_run(self, tags: dict[str, str]) -> None:
         try:
-            experiment = self.client.get_experiment_by_name(self.experiment_name)
-            if experiment is None:
-                experiment_id = self.client.create_experiment(
-                    self.experiment_name,
-                    artifact_location=_sqlite_artifact_root(self.tracking_uri, self.experiment_name),
-                )
-            else:
-                if experiment.lifecycle_stage == "deleted":
-                    raise TrackingConfigError(
-                        f"MLflow experiment {self.experiment_name!r} is deleted: restore it in the MLflow UI or "
-                        "choose another experiment name"
-                    )
-                experiment_id = experiment.experiment_id
+            with store_lock(self.tracking_uri):  # two new runs must not both create the experiment
+                experiment_id = self._experiment_id()
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+            self.experiment_id = experiment_id
         except TrackingConfigError:
             raise
         except Exception as exc:
             raise TrackingUnavailableError(
-                f"could not create an MLflow run in experiment {self.experiment_name!r} at {self.tracking_uri}: "
-                f"{exc}. Start the tracking server (or use sqlite:///<dir>/mlflow.db) and retry."
+                f"could not create an MLflow run in experiment {self.experiment_name!r} at {self.shown_uri}: "
+                f"{redact_text(str(exc))}. Start the tracking server (or use sqlite:///<dir>/mlflow.db) and retry."
             ) from exc
         self._run_id = run.info.run_id
+
+    def _experiment_id(self) -> str:
+        """The experiment's id, created when missing (a server shared with another run that created it a
+        moment earlier answers RESOURCE_ALREADY_EXISTS: then it is read back). A new experiment is created as
+        a training one; an existing one without a kind is tagged so (a kind someone chose stays)."""
+        experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment is None:
+            try:
+                return self.client.create_experiment(
+                    self.experiment_name,
+                    artifact_location=_sqlite_artifact_root(self.tracking_uri, self.experiment_name),
+                    tags={EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT_KIND},
+                )
+            except Exception as exc:
+                if _error_code(exc) != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                experiment = self.client.get_experiment_by_name(self.experiment_name)
+        if experiment.lifecycle_stage == "deleted":
+            raise TrackingConfigError(
+                f"MLflow experiment {self.experiment_name!r} is deleted: restore it in the MLflow UI or "
+                "choose another experiment name"
+            )
+        self._mark_training_experiment(experiment)
+        return experiment.experiment_id
+
+    def _mark_training_experiment(self, experiment) -> None:
+        """Tag an experiment that has no kind yet as a training one (a kind someone chose stays)."""
+        if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
+            self.client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
     def _log_resolved_config(self, params: Mapping[str, Any]) -> None:
         """The resolved config as a YAML artifact (secrets redacted), next to the flattened params."""
@@ -277,14 +347,20 @@ class MlflowTracker:
         except Exception as exc:
             if _error_code(exc) == "RESOURCE_DOES_NOT_EXIST":
                 raise TrackingConfigError(
-                    f"MLflow run {self._run_id!r} does not exist at {self.tracking_uri}: the checkpoint was "
-                    "tracked elsewhere; pass that tracking URI, or start a new run (drop run_id)"
+                    f"MLflow run {self._run_id!r} does not exist at {self.shown_uri}: it was tracked in another "
+                    "store; point the tracking URI at that store"
                 ) from exc
             log.warning("MLflow server %s unreachable while resuming run %s; journaling to %s (%s)",
-                        self.tracking_uri, self._run_id, self.buffer_dir, exc)
+                        self.shown_uri, self._run_id, self.buffer_dir, redact_text(str(exc)))
             self._offline_until = time.monotonic() + self.retry_interval_s
             return True
         self._existing_params = dict(run.data.params)
+        self.experiment_id = run.info.experiment_id
+        try:  # e.g. NeMo-RL's logger made the experiment; cosmetic, so never fatal
+            self._mark_training_experiment(self.client.get_experiment(self.experiment_id))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not tag experiment %s as a training experiment: %s", self.experiment_id,
+                        redact_text(str(exc)))
         if run.info.status != "RUNNING":
             try:
                 self.client.update_run(self._run_id, status="RUNNING")
@@ -368,10 +444,11 @@ class MlflowTracker:
     def _reject(self, record: dict[str, Any], exc: BaseException) -> None:
         path = self.buffer_dir / f"{self._run_id}.rejected.jsonl"
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({**record, "error": str(exc)[:2000]}, allow_nan=True) + "\n")
+            fh.write(json.dumps({**record, "error": redact_text(str(exc))[:2000]}, allow_nan=True) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        log.error("MLflow rejected record %d of run %s (%s); kept in %s", record["seq"], self._run_id, exc, path)
+        log.error("MLflow rejected record %d of run %s (%s); kept in %s", record["seq"], self._run_id,
+                  redact_text(str(exc)), path)
 
     # ---- sending ---------------------------------------------------------------------------------
     def _send_pending(self) -> None:
@@ -392,7 +469,7 @@ class MlflowTracker:
                 if _error_code(exc) not in _PERMANENT_ERRORS:
                     self._offline_until = time.monotonic() + self.retry_interval_s
                     log.warning("MLflow server %s unreachable (%s); %d records journaled in %s, retrying in %.0f s",
-                                self.tracking_uri, str(exc).splitlines()[0][:300], len(self._pending),
+                                self.shown_uri, redact_text(str(exc).splitlines()[0][:300]), len(self._pending),
                                 self._journal_path(), self.retry_interval_s)
                     break
                 if len(group) > 1:  # find the bad record: resend this group one record at a time

@@ -38,7 +38,7 @@ from bapo_nemo.tracking.mlflow_tracker import (
     _sqlite_artifact_root,
     check_tracking_uri,
 )
-from bapo_nemo.tracking.redact import redact_nested
+from bapo_nemo.tracking.redact import redact_nested, redact_text
 from bapo_nemo.tracking.tags import default_tags
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,9 @@ def prepare_logger_config(master_config: dict) -> dict:
     if not mlflow_cfg.get("run_id") and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
         saved = read_saved_run(checkpoint_dir)
         if saved is not None:
-            if saved.get("tracking_uri") not in (None, uri):
+            if saved.get("tracking_uri") not in (None, redact_text(uri)):  # the file holds it redacted
                 log.warning("%s: run %s was tracked at %s, now %s; resuming the id anyway",
-                            checkpoint_dir / RUN_FILE, saved["run_id"], saved["tracking_uri"], uri)
+                            checkpoint_dir / RUN_FILE, saved["run_id"], saved["tracking_uri"], redact_text(uri))
             mlflow_cfg["run_id"] = saved["run_id"]
     logger_cfg["mlflow_enabled"] = True
     logger_cfg["mlflow"] = mlflow_cfg
@@ -184,9 +184,10 @@ def find_mlflow_logger(nemo_logger: Any) -> Any:
     )
 
 
-def after_setup(master_config: dict, nemo_logger) -> None:
+def after_setup(master_config: dict, nemo_logger) -> MlflowTracker:
     """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
-    route the logger's metrics through the outage-proof journal."""
+    route the logger's metrics through the outage-proof journal. Returns the run's tracker (for tags the
+    driver adds later)."""
     config = _as_dict(master_config)
     mlflow_cfg = config["logger"]["mlflow"]
     backend = find_mlflow_logger(nemo_logger)
@@ -205,10 +206,11 @@ def after_setup(master_config: dict, nemo_logger) -> None:
     if checkpoint_dir is not None:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         tmp = checkpoint_dir / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_cfg["tracking_uri"],
-                                   "experiment_name": mlflow_cfg["experiment_name"]}, indent=2))
+        tmp.write_text(json.dumps(redact_nested({"run_id": run_id, "tracking_uri": mlflow_cfg["tracking_uri"],
+                                                 "experiment_name": mlflow_cfg["experiment_name"]}), indent=2))
         os.replace(tmp, checkpoint_dir / RUN_FILE)
     _journal_logger_metrics(backend, tracker)
+    return tracker
 
 
 def _log_config_artifact(tracker: MlflowTracker, config: dict, log_dir: Path) -> None:

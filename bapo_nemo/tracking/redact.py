@@ -1,11 +1,16 @@
 """Flattening of nested configs into MLflow params, and redaction of secrets before anything leaves the
 process. A key is secret when its last word is a secret word (``hf_token``, ``api_key``, ``db_password``)
 or it contains an unambiguous one anywhere (``secret``, ``password``, ``credential``); values that look
-like well-known token formats or URLs with a password are redacted whatever their key."""
+like well-known token formats or URLs with a password are redacted whatever their key.
+
+One mechanism for everything a run writes or uploads: ``redact_nested`` for structured records (JSON and
+YAML files, params, tags), ``redact_text`` for free text (log lines, error messages, names), and
+``RedactingFilter`` on log handlers."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,11 +30,11 @@ _NOT_SECRET_KEYS = {
     "pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token",
     "additional_special_tokens", "chat_template",
 }
-# Values that are secrets whatever their key: Hugging Face, OpenAI-style, GitHub, AWS, W&B-style tokens.
-_SECRET_VALUE = re.compile(
-    r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|"
-    r"xox[abpr]-[A-Za-z0-9\-]{10,}|[0-9a-f]{40})$"
-)
+# Values that are secrets whatever their key, wherever they stand in a text: Hugging Face, OpenAI-style,
+# GitHub, AWS, Slack-style tokens.
+_TOKEN = (r"hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|"
+          r"xox[abpr]-[A-Za-z0-9\-]{10,}")
+_TOKEN_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9])(?:{_TOKEN})(?![A-Za-z0-9])")
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:/@\s]+):(?P<pw>[^@/\s]+)@")
 
 MAX_PARAM_VALUE_LENGTH = 6000  # MLflow 2.x/3.x server limit for one param value
@@ -52,19 +57,18 @@ def is_secret_key(key: str) -> bool:
     return any(marker in squashed for marker in _SECRET_ANYWHERE)
 
 
-def redact_value(value: str) -> str:
-    """Redact values that are secrets by their shape: known token formats, passwords inside URLs."""
-    if _SECRET_VALUE.match(value.strip()):
-        # A 40-hex value is also what a git commit looks like; only the key decides for those.
-        if re.fullmatch(r"[0-9a-f]{40}", value.strip()):
-            return value
-        return REDACTED
-    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
+def redact_text(text: str) -> str:
+    """``text`` with every secret recognisable by its shape replaced: known token formats anywhere in it,
+    the password of a URL (``http://user:***redacted***@host``). A 40-hex string is what a git commit
+    looks like, so only its key can mark it secret."""
+    text = _TOKEN_IN_TEXT.sub(REDACTED, text)
+    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
+
 
 
 def redact(flat: Mapping[str, str]) -> dict[str, str]:
     """Return a copy of a flat str->str mapping with every secret value replaced by ``***redacted***``."""
-    return {k: (REDACTED if is_secret_key(k) and v not in ("", "None") else redact_value(v)) for k, v in flat.items()}
+    return {k: (REDACTED if is_secret_key(k) and v not in ("", "None") else redact_text(v)) for k, v in flat.items()}
 
 
 def _to_text(value: Any) -> str:
@@ -116,5 +120,16 @@ def redact_nested(config: Any) -> Any:
     if isinstance(config, (list, tuple)):
         return [redact_nested(v) for v in config]
     if isinstance(config, str):
-        return redact_value(config)
+        return redact_text(config)
     return config
+
+
+class RedactingFilter(logging.Filter):
+    """On a log handler: the formatted message of every record goes out with its secrets redacted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        safe = redact_text(message)
+        if safe != message:
+            record.msg, record.args = safe, None
+        return True

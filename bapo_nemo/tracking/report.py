@@ -19,10 +19,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+
+from bapo_nemo.tracking.redact import redact_text
 
 # canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
 ALIASES: dict[str, list[str]] = {
     "reward/mean": ["reward/mean", "train/reward", "reward"],
+    "frac_reward_zero_std": ["frac_reward_zero_std", "train/frac_reward_zero_std"],  # TRL's name
     "entropy": ["entropy", "train/entropy", "train/approx_entropy"],
     "bapo/rho": ["bapo/rho", "train/bapo/rho"],
     "bapo/rho_initial": ["bapo/rho_initial", "train/bapo/rho_initial"],
@@ -41,18 +45,30 @@ class Panel:
     metrics: tuple[str, ...]  # canonical names drawn in this panel
     ylabel: str
     optional: bool = False  # drawn only when some run has it
+    every_step: bool = True  # logged at every step: a step without a value is drawn as a gap
 
 
 PANELS = [
-    Panel("Training reward", ("reward/mean",), "mean reward"),
-    Panel("Held-out accuracy", ("heldout/avg@k",), "avg@k", optional=True),
+    Panel("Training reward", ("reward/mean", "frac_reward_zero_std"), "mean reward; share of groups"),
+    Panel("Held-out accuracy", ("heldout/avg@k",), "avg@k", optional=True, every_step=False),
     Panel("Policy entropy", ("entropy",), "nats / token"),
     Panel("Positive contribution rho", ("bapo/rho", "bapo/rho_initial"), "P / (P + N)"),
-    Panel("Clip bounds", ("bapo/c_low", "bapo/c_high"), "ratio bound"),
+    Panel("Clip bounds", ("bapo/c_high", "bapo/c_low"), "ratio bound"),
     Panel("Gradient norm", ("grad_norm",), "global L2 norm"),
     Panel("Response length", ("response_length/mean",), "tokens"),
 ]
-_STYLES = {"bapo/rho_initial": ":", "bapo/c_low": "--"}  # second series of a panel
+# Line style and in-panel legend label of each series of a panel with several; colour is the run's.
+SERIES_STYLE = {
+    "reward/mean": ("-", "mean reward"),
+    "frac_reward_zero_std": ("--", "groups with zero reward spread"),
+    "bapo/rho": ("-", "rho at the chosen bounds"),
+    "bapo/rho_initial": (":", "rho at the starting bounds"),
+    "bapo/c_high": ("-", "c_high"),
+    "bapo/c_low": ("--", "c_low"),
+}
+# A y-range narrower than this share of the values' size is widened to it: a flat curve reads as flat,
+# and tick labels never need an offset (matplotlib's "1e-5+6.1347").
+MIN_RELATIVE_SPAN = 0.01
 
 KEY_PARAMS = ["bapo.enabled", "bapo.rho0", "bapo.order", "bapo.measure", "bapo.granularity", "bapo.c_low_min",
               "bapo.c_low_max", "bapo.c_high_min", "bapo.c_high_max", "bapo.dual_clip", "optim.lr",
@@ -85,7 +101,8 @@ def find_experiment(client, name: str):
     experiment = client.get_experiment_by_name(name)
     if experiment is None or experiment.lifecycle_stage == "deleted":
         names = sorted(e.name for e in client.search_experiments())
-        raise ReportError(f"no MLflow experiment named {name!r} at {client.tracking_uri}; experiments there: "
+        raise ReportError(f"no MLflow experiment named {name!r} at {redact_text(client.tracking_uri)}; "
+                          "experiments there: "
                           f"{', '.join(names) if names else '(none)'}")
     return experiment
 
@@ -153,48 +170,88 @@ def target_shares(runs: list[RunData]) -> list[float]:
 
 
 def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
+    """The figure of `draw_panels`, saved as a PNG at `path`; returns the panels drawn."""
+    fig, panels = draw_panels(runs)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return panels
+
+
+def draw_panels(runs: list[RunData]):
+    """(figure, panels): one panel per quantity. A run has one colour in every panel; the series of a panel
+    with several (rho at the chosen and starting bounds, c_high and c_low, ...) differ by line style, named in
+    the panel's own legend. One run is named in the title, several in a legend of colours below the panels."""
     panels = [p for p in PANELS if not p.optional or any(r.series.get(m) for r in runs for m in p.metrics)]
     cols = 4 if len(panels) > 6 else 3
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes.flat, panels):
-        drawn = False
+        drawn = set()
         for i, run in enumerate(runs):
+            grid = [s for s, _ in run.series.get("reward/mean", [])] if panel.every_step else []
             for metric in panel.metrics:
                 points = run.series.get(metric)
                 if not points:
                     continue
-                steps, values = zip(*points)
-                suffix = "" if len(panel.metrics) == 1 else f" {metric.split('/')[-1]}"
-                ax.plot(steps, values, _STYLES.get(metric, "-"), color=colours[i % len(colours)],
-                        marker="o" if len(points) < 15 else None, markersize=3, label=f"{run.label}{suffix}")
-                drawn = True
+                steps, values = zip(*_with_gaps(points, grid))
+                ax.plot(steps, values, SERIES_STYLE.get(metric, ("-",))[0], color=colours[i % len(colours)],
+                        marker="o" if len(points) < 15 else None, markersize=3)
+                drawn.add(metric)
+        handles = [Line2D([], [], color="dimgrey", ls=SERIES_STYLE[m][0], label=SERIES_STYLE[m][1])
+                   for m in panel.metrics if m in drawn and len(panel.metrics) > 1]
         if "bapo/rho" in panel.metrics:
             for rho0 in target_shares(runs):
-                ax.axhline(rho0, color="black", ls=":", lw=1, label=f"target rho0 = {rho0:g}")
+                handles.append(ax.axhline(rho0, color="black", ls=":", lw=1, label=f"target rho0 = {rho0:g}"))
+        if len(handles) > 1:  # under the panel, clear of its curves
+            ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                      frameon=False)
         ax.set_title(panel.title)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
+        _readable_y(ax)
         if not drawn:
-            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes,
+            ax.text(0.5, 0.5, _why_empty(panel, runs), ha="center", va="center", transform=ax.transAxes,
                     color="grey")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    handles, labels = [], []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8,
-               bbox_to_anchor=(0.5, -0.02 - 0.03 * math.ceil(len(labels) / 4)))
+    if len(runs) == 1:
+        fig.suptitle(f"run {runs[0].label}", fontsize=11)
+    else:
+        handles = [Line2D([], [], color=colours[i % len(colours)], label=run.label) for i, run in enumerate(runs)]
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 4), fontsize=8, title="runs",
+                   bbox_to_anchor=(0.5, -0.04 - 0.03 * math.ceil(len(runs) / 4)))
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return panels
+    return fig, panels
+
+
+def _why_empty(panel: Panel, runs: list[RunData]) -> str:
+    no_spread = all(v == 1.0 for r in runs for _, v in r.series.get("frac_reward_zero_std", [(0, 0.0)]))
+    if "bapo/rho" in panel.metrics and no_spread:
+        return "undefined: in every step, each group's\nresponses all got the same reward"
+    return "not logged by these runs"
+
+
+def _with_gaps(points: list[tuple[int, float]], grid: list[int]) -> list[tuple[int, float]]:
+    """`points` with NaN at the steps of `grid` (the run's logged steps) inside their span that have no
+    value, so the line breaks there (e.g. rho in a step where no group had any reward spread)."""
+    if not grid:
+        return points
+    have = dict(points)
+    first, last = points[0][0], points[-1][0]
+    return sorted({**have, **{s: math.nan for s in grid if first <= s <= last and s not in have}}.items())
+
+
+def _readable_y(ax) -> None:
+    """Plain tick labels (no offset) and a y-range at least MIN_RELATIVE_SPAN of the values' size."""
+    ax.ticklabel_format(axis="y", useOffset=False)
+    low, high = ax.get_ylim()
+    centre = (low + high) / 2
+    half = MIN_RELATIVE_SPAN * abs(centre) / 2
+    if high - low < 2 * half:
+        ax.set_ylim(centre - half, centre + half)
 
 
 def _fmt(value) -> str:
@@ -225,7 +282,7 @@ def render_html(experiment_name: str, runs: list[RunData], png: Path, tracking_u
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}th{{background:#f3f3f3}}img{{max-width:100%}}</style>
 </head><body>
 <h1>Training dynamics: {html.escape(experiment_name)}</h1>
-<p>{len(runs)} runs from <code>{html.escape(tracking_uri)}</code>.</p>
+<p>{len(runs)} runs from <code>{html.escape(redact_text(tracking_uri))}</code>.</p>
 <img alt="training dynamics" src="data:image/png;base64,{image}">
 <h2>Runs</h2>
 <table><thead><tr>{head}</tr></thead><tbody>
@@ -263,7 +320,8 @@ def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None
     except ReportError:
         raise
     except Exception as exc:  # any client failure here means the store is unusable
-        raise ReportError(f"cannot read the MLflow store at {tracking_uri}: {str(exc).splitlines()[0][:300]}") from exc
+        raise ReportError(f"cannot read the MLflow store at {redact_text(tracking_uri)}: "
+                          f"{redact_text(str(exc).splitlines()[0][:300])}") from exc
     selected = select_runs(client, experiment, runs)
     data = [load_run(client, r) for r in tqdm(selected, desc="reading runs", disable=not progress)]
     if not any(d.series for d in data):

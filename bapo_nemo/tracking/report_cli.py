@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bapo_nemo.tracking.redact import redact_text
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", required=True, help="MLflow experiment name")
@@ -43,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     except (ReportError, TrackingConfigError) as exc:
         if not args.out and Path(out).is_dir() and not any(Path(out).iterdir()):
             Path(out).rmdir()  # the default directory was made for nothing
-        print(f"bapo-nemo report: error: {exc}", file=sys.stderr)
+        print(f"bapo-nemo report: error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     print(f"{len(result.runs)} runs: {', '.join(r.label for r in result.runs)}")
     print(f"wrote {result.png}")

@@ -25,22 +25,24 @@ shift 3
 driver_pid=$!
 
 # Stay alive on SIGTERM/SIGINT until the driver has exited, so its exit code is reported. The driver got
-# the SIGTERM too: no stop signal is relayed after it.
-relayed=0
-trap 'relayed=1; echo "[run_driver] got SIGTERM; waiting for the driver (pid $driver_pid) to checkpoint and exit"' TERM
+# the SIGTERM too: no stop signal is relayed after it (a stop file seen later is only logged).
+relayed=0  # 1: the stop request was handled; 2: SIGTERM came first
+trap '[[ $relayed -eq 1 ]] || relayed=2; echo "[run_driver] got SIGTERM; waiting for the driver (pid $driver_pid) to checkpoint and exit"' TERM
 trap 'kill -INT "$driver_pid" 2>/dev/null || true' INT
 # A signal sent to the whole step (e.g. `scancel --signal=USR1 JOB.STEP`) reaches the driver directly.
 trap 'echo "[run_driver] got SIGUSR1 (the driver receives it too)"' USR1
 
 while kill -0 "$driver_pid" 2>/dev/null; do
-  if [[ $relayed -eq 0 && -e "$stop_file" ]]; then
-    relayed=1
-    if [[ "$stop_signal" != "none" ]]; then
+  if [[ $relayed -ne 1 && -e "$stop_file" ]]; then
+    if [[ $relayed -eq 2 ]]; then
+      echo "[run_driver] stop requested after SIGTERM: nothing sent, the driver is stopping already"
+    elif [[ "$stop_signal" != "none" ]]; then
       echo "[run_driver] stop requested: sending SIG$stop_signal to the driver (pid $driver_pid)"
       kill -s "$stop_signal" "$driver_pid" 2>/dev/null || true
     else
       echo "[run_driver] stop requested: the driver is expected to stop on its own"
     fi
+    relayed=1
   fi
   sleep 1 &
   wait $! 2>/dev/null || true

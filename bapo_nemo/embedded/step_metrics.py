@@ -1,0 +1,95 @@
+"""What one RL step logs (`step_metrics`), and the watch on its learning signal (`ZeroSpreadWatch`).
+
+GRPO's advantage is a response's reward against its group's mean: a group whose responses all scored the
+same (all wrong, or all right) gets zero advantages and adds nothing to the gradient. `frac_reward_zero_std`,
+the share of the step's fresh groups with zero reward spread, is TRL's GRPOTrainer metric of the same name.
+A step in which no mini-batch had any such signal has no BAPO positive share: rho = P / (P + N) is 0 / 0
+there, so the step logs no `bapo/rho` (the report draws a gap) instead of the 1.0 the bound search reports
+for an empty mini-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bapo_nemo.embedded.rl_step import StepOutcome
+
+# MLflow run tag holding the latest zero-spread warning (the UI shows it on the run's page).
+ZERO_SPREAD_TAG = "bapo.warning.zero_reward_spread"
+_SHARES = ("bapo/rho", "bapo/rho_initial")
+
+
+def frac_reward_zero_std(rewards: list[list[float]]) -> float:
+    """Share of groups whose rewards all equal each other (TRL's `frac_reward_zero_std`)."""
+    return sum(1 for group in rewards if max(group) == min(group)) / len(rewards)
+
+
+def step_metrics(outcome: StepOutcome, version: int) -> dict[str, float]:
+    """The step's metrics for MLflow, metrics.jsonl and the per-step line."""
+    updates, t = outcome.updates, outcome.times
+    fresh_groups = outcome.rewards[: len(outcome.groups)]
+    fresh = [x for rs in fresh_groups for x in rs]
+    lengths = [len(r.response_token_ids) for g in outcome.groups for r in g.rollouts]
+    # correct vs wrong response lengths: when wrong ones are longer, negative tokens dominate the loss
+    correct = [n for n, x in zip(lengths, fresh) if x > 0]
+    wrong = [n for n, x in zip(lengths, fresh) if x <= 0]
+    generated = outcome.generated_tokens
+    metrics = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    # The share is averaged over the mini-batches that have advantage mass; with none, it is undefined.
+    signal = [u for u in updates if u.get("bapo/positive_mass", 0) + u.get("bapo/negative_mass", 0) > 0]
+    for key in _SHARES:
+        if key not in metrics:
+            continue
+        if signal:
+            metrics[key] = sum(u[key] for u in signal) / len(signal)
+        else:
+            del metrics[key]
+    metrics.update(
+        {
+            "reward/mean": sum(fresh) / len(fresh),
+            "frac_reward_zero_std": frac_reward_zero_std(fresh_groups),
+            "train/accuracy": sum(1.0 for x in fresh if x > 0) / len(fresh),
+            "train/response_length_mean": sum(lengths) / len(lengths),
+            "train/response_length_max": float(max(lengths)),
+            **({"train/response_length_correct": sum(correct) / len(correct)} if correct else {}),
+            **({"train/response_length_wrong": sum(wrong) / len(wrong)} if wrong else {}),
+            "train/token_staleness_mean": outcome.token_staleness,
+            "train/replayed_groups": float(len(outcome.replayed)),
+            "train/policy_version": float(version),
+            "perf/generated_tokens": float(generated),
+            "perf/generation_tokens_per_s": generated / max(t["generated"] - t["start"], 1e-9),
+            "perf/tokens_per_s": generated / max(t["end"] - t["start"], 1e-9),
+            "perf/step_time_s": t["end"] - t["start"],
+            "perf/step_cpu_s": t["cpu"],  # = wall time alone on the machine (1 thread)
+            **{k: v for k, v in outcome.rollout_stats.items() if not k.startswith("rollout/segments_hist")},
+        }
+    )
+    return metrics
+
+
+@dataclass
+class ZeroSpreadWatch:
+    """Says once per streak when, for `steps` consecutive steps, more than `most` of the groups had zero
+    reward spread: the run is spending its compute on rollouts it cannot learn from."""
+
+    most: float = 0.5
+    steps: int = 3
+    streak: int = 0
+
+    def update(self, step: int, frac_zero_std: float, reward_mean: float) -> str | None:
+        self.streak = self.streak + 1 if frac_zero_std > self.most else 0
+        if self.streak != self.steps:
+            return None
+        if reward_mean == 0.0:
+            why = ("every reward was 0: no response matched its reference answer (a model still too weak for "
+                   "the tasks, or answers the reward cannot match: check data.reward and how the answers are "
+                   "written)")
+        elif reward_mean == 1.0:
+            why = "every response was right: the tasks are too easy for this model"
+        else:
+            why = "most groups' responses were all right or all wrong (raise rollout.group_size or the temperature)"
+        return (f"no learning signal in steps {step - self.steps + 1}-{step}: frac_reward_zero_std "
+                f"{frac_zero_std:.2f} (share of groups whose responses all got the same reward, so zero "
+                f"advantage and no gradient); {why}")
