@@ -1,6 +1,7 @@
 """The 32B preset's training path rehearsed on CPU: `python -m bapo_nemo.train` (its `main()`) on
-configs/bapo_32b.yaml changed only in sizes, TP 2 x CP 2 x DP 2 on gloo, through NeMo-RL v0.7.0's real
-`Policy` -> `RayWorkerGroup` -> `MegatronPolicyWorker` methods and the real `VllmGeneration`.
+configs/bapo_32b_64k.yaml (bapo_32b.yaml plus partial rollouts) changed only in sizes, TP 2 x CP 2 x DP 2
+on gloo, through NeMo-RL v0.7.0's real `Policy` -> `RayWorkerGroup` -> `MegatronPolicyWorker` methods and
+the real `VllmGeneration`.
 
 Stand-ins, each at the boundary of what cannot run here (details in their modules and docs/nemo_rl.md):
 - the policy worker's `__init__` (GPU set-up, Megatron-Bridge, GPTModel with TE layers): a CPU version
@@ -20,6 +21,7 @@ same worker code on 8 gloo ranks without Ray (tests/nemo_megatron_harness.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -35,11 +37,17 @@ import pytest
 import torch
 import yaml
 
-pytestmark = [pytest.mark.nemo_rl, pytest.mark.xdist_group("megatron_rehearsal")]
+# Runs in tests/conftest.py's "nemo-rl-in-process" xdist group (Ray, MLflow's fluent API and the driver's
+# signal handlers in the test process; 17 Ray actors that must not run beside another module's).
+pytestmark = pytest.mark.nemo_rl
 
 REPO = Path(__file__).resolve().parent.parent
-PRESET = REPO / "configs" / "bapo_32b.yaml"
-SHIPPED_PRESETS = ("bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml")
+# bapo_32b.yaml's 64k variant: bapo_32b.yaml with every block it ships (Megatron, packing with fuse_loss,
+# FP8, the BAPO block, importance sampling, the ratio reference) plus the partial-rollout block the 32B
+# presets ship (the one with the most segments and prompts in flight); everything else it changes is sizes.
+PRESET = REPO / "configs" / "bapo_32b_64k.yaml"
+# The presets a cluster job runs: every NeMo-RL config under configs/ (the embedded ones have no policy:).
+KNOWN_PRESETS = {"bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"}
 POLICY_WORKER = "tests.nemo_megatron_standins.CPUMegatronPolicyWorker"
 GENERATION_WORKER = "tests.nemo_vllm_standins.CPUVllmGenerationWorker"
 
@@ -50,9 +58,6 @@ TP, CP, DP = 2, 2, 2
 PROMPTS, GENERATIONS, GLOBAL_BATCH = 8, 4, 8
 SEQUENCE, RESPONSE_CAP = 16, 8
 STEPS, STOP_DURING_STEP = 2, 1
-# When a preset has no `partial_rollouts:` block, the rehearsal adds one of the shape the cluster configs
-# would ship (tiny budget: every response of more than 2 tokens spans policy versions).
-DEFAULT_PARTIAL_ROLLOUTS = {"token_budget": 2, "max_resumptions": 3, "stale_segments": "keep"}
 
 # The modes the rehearsal runs (test_the_shipped_presets_use_only_rehearsed_modes checks the presets
 # against this, and test_the_rehearsal_runs_the_presets_modes checks that the rehearsal's own config has
@@ -73,13 +78,20 @@ REHEARSED_MODES = {
     "dual_clip": {None},
     "async_grpo": {False},
     "generation_colocated": {True},
+    "step_bounds": {"exact"},
     "partial_rollouts": {"keep"},
+    "partial_prefill": {True},
 }
+# The one mode a shipped preset uses that the rehearsal does not run: no partial rollouts (bapo_7b.yaml,
+# bapo_32b.yaml). Without the block grpo_train calls upstream's own run_multi_turn_rollout; the training
+# path below it (Policy, the Megatron workers, the loss) is the same one the rehearsal runs, and
+# tests/test_nemo_driver_e2e.py runs that rollout path on CPU.
+NOT_REHEARSED_HERE = {"partial_rollouts": {None}, "partial_prefill": {None}}
 # loss_fn.bapo keys the rehearsal knows; a new option (e.g. a cheaper way to get step-wide bounds) in a
 # preset is a mode the rehearsal does not run yet.
 KNOWN_BAPO_KEYS = {
     "enabled", "rho0", "c_low_min", "c_low_max", "c_low_step", "c_high_min", "c_high_max", "c_high_step",
-    "order", "measure", "dual_clip", "granularity", "ratio_reference", "nonfinite",
+    "order", "measure", "dual_clip", "granularity", "ratio_reference", "nonfinite", "step_bounds_sample",
 }
 KNOWN_PARTIAL_ROLLOUT_KEYS = {
     "token_budget", "max_resumptions", "max_response_tokens", "global_token_budget", "max_in_flight_groups",
@@ -105,6 +117,7 @@ def modes(config: dict) -> dict:
     from bapo_nemo.nemo.packing import fp8_packed_multiple
 
     partial = config.get("partial_rollouts")
+    sample = float(bapo.get("step_bounds_sample", 1.0))
     return {
         "backend": "megatron" if megatron.get("enabled") else "dtensor",
         "granularity": bapo.get("granularity", "microbatch"),
@@ -121,17 +134,32 @@ def modes(config: dict) -> dict:
         "dual_clip": bapo.get("dual_clip", loss.get("ratio_clip_c")),
         "async_grpo": bool((config["grpo"].get("async_grpo") or {}).get("enabled")),
         "generation_colocated": bool(policy["generation"]["colocated"]["enabled"]),
+        # granularity step's extra log-prob pass: over the whole step (1), a sample of its groups, or none
+        "step_bounds": "exact" if sample == 1.0 else "prev_logprobs" if sample == 0.0 else "sampled",
         "partial_rollouts": None if partial is None else partial.get("stale_segments", "keep"),
+        # the driver's pool: batches of prompts in flight beyond the step's (driver default 1)
+        "partial_prefill": None if partial is None else int(partial.get("prefill_batches", 1)) > 0,
     }
 
 
-def scaled_partial_rollouts(block: dict | None) -> tuple[dict, bool]:
-    """The preset's partial-rollout block at the rehearsal's sizes (token budgets and lengths tiny, counts
-    of prompts scaled to its 8 prompts per step), or DEFAULT_PARTIAL_ROLLOUTS when it has none."""
-    if block is None:
-        return dict(DEFAULT_PARTIAL_ROLLOUTS), True
+def shipped_presets() -> list[Path]:
+    """Every cluster preset under configs/ (a NeMo-RL config: `defaults:` or `policy:` at the top)."""
+    found = []
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        if "defaults" in raw or "policy" in raw:
+            found.append(path)
+    return found
+
+
+def scaled_partial_rollouts(block: dict, response_cap: int) -> dict:
+    """The preset's partial-rollout block at the rehearsal's sizes: the token budget cut so that the
+    longest response takes as many segments as in the preset (4 for the 64k preset: 2 tokens of 8), the
+    other lengths tiny, counts of prompts scaled to its 8 prompts per step; the staleness rule, the
+    resumptions and the prefill pool as shipped."""
     scaled = dict(block)
-    scaled["token_budget"] = DEFAULT_PARTIAL_ROLLOUTS["token_budget"]
+    segments = math.ceil(response_cap / block["token_budget"])
+    scaled["token_budget"] = math.ceil(RESPONSE_CAP / segments)
     if scaled.get("max_response_tokens") is not None:
         scaled["max_response_tokens"] = RESPONSE_CAP
     if scaled.get("global_token_budget") is not None:
@@ -139,17 +167,18 @@ def scaled_partial_rollouts(block: dict | None) -> tuple[dict, bool]:
     for key in ("max_in_flight_groups", "prompts_per_iteration"):
         if scaled.get(key) is not None:
             scaled[key] = max(PROMPTS, 1)
-    return scaled, False
+    return scaled
 
 
 def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
-    """configs/bapo_32b.yaml with sizes only changed: the model, lengths, batch sizes, parallel sizes, step
-    counts and paths. Also (each says why): precision float32 (the loss and gradient comparisons are exact
+    """The preset (configs/bapo_32b_64k.yaml) with sizes only changed: the model, lengths, batch sizes,
+    parallel sizes, step counts and paths. Also (each says why): precision float32 (the loss and gradient comparisons are exact
     to ~1e-6; bf16/FP8 numerics are the GPU's), a learning rate a tiny model moves visibly with in a few
     steps (the preset's 1e-6 would leave every ratio at 1), no warm-up, no validation (AIME is not here).
     FP8 stays configured: NeMo-RL's packing pads micro-batches for it as on the cluster."""
     preset = load_preset(PRESET)
-    partial, added = scaled_partial_rollouts(preset.get("partial_rollouts"))
+    assert preset.get("partial_rollouts"), f"{PRESET.name} ships no partial_rollouts block to rehearse"
+    partial = scaled_partial_rollouts(preset["partial_rollouts"], preset["policy"]["generation"]["max_new_tokens"])
     model = str(assets["model"])
     overrides = {
         "defaults": str(PRESET),
@@ -175,7 +204,7 @@ def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
         },
         "partial_rollouts": partial,
         "data": {
-            "max_input_seq_length": SEQUENCE,
+            "max_input_seq_length": SEQUENCE - RESPONSE_CAP,  # as the preset: prompt + response cap = sequence
             "num_workers": 0,
             "train": {
                 "dataset_name": "ResponseDataset", "data_path": str(assets["train"]),
@@ -193,36 +222,54 @@ def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
     }
     path = root / "bapo_32b_rehearsal.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
-    return path, {"partial_rollouts_added": added, "partial_rollouts": partial}
+    return path, {"partial_rollouts": partial}
+
+
+def unrehearsed(config: dict) -> list[str]:
+    """What in a NeMo-RL config selects a code path the CPU rehearsal does not run (empty: all rehearsed)."""
+    problems = []
+    for mode, value in modes(config).items():
+        if value not in REHEARSED_MODES[mode] and value not in NOT_REHEARSED_HERE.get(mode, ()):
+            problems.append(f"{mode}={value!r} (the rehearsal runs {sorted(map(str, REHEARSED_MODES[mode]))})")
+    for block, known in (("loss_fn.bapo", KNOWN_BAPO_KEYS), ("partial_rollouts", KNOWN_PARTIAL_ROLLOUT_KEYS)):
+        section = config
+        for key in block.split("."):
+            section = (section or {}).get(key)
+        problems += [f"{block}.{key} (an option the rehearsal does not know)" for key in sorted(set(section or {}) - known)]
+    return problems
 
 
 def test_the_shipped_presets_use_only_rehearsed_modes():
-    """Every mode the cluster presets select is one the CPU rehearsal runs: a preset that gains another
-    (a granularity, ratio reference, packing or CP setting, partial-rollout staleness rule, a new BAPO
-    option) fails here until the rehearsal covers it."""
-    for name in SHIPPED_PRESETS:
-        config = load_preset(REPO / "configs" / name)
-        found = modes(config)
-        for mode, value in found.items():
-            assert value in REHEARSED_MODES[mode] or (mode == "partial_rollouts" and value is None), (
-                f"configs/{name}: {mode}={value!r} is not rehearsed on CPU (tests/test_nemo_megatron_rehearsal.py "
-                f"runs {sorted(map(str, REHEARSED_MODES[mode]))})"
-            )
-        unknown = set(config["loss_fn"].get("bapo") or {}) - KNOWN_BAPO_KEYS
-        assert not unknown, f"configs/{name}: loss_fn.bapo.{sorted(unknown)} not rehearsed"
-        unknown = set(config.get("partial_rollouts") or {}) - KNOWN_PARTIAL_ROLLOUT_KEYS
-        assert not unknown, f"configs/{name}: partial_rollouts.{sorted(unknown)} not rehearsed"
+    """Every mode the cluster presets select is one the CPU rehearsal runs (granularity, ratio reference,
+    step_bounds_sample, packing and fuse_loss, CP, sequence parallel, FP8 packing, importance sampling,
+    async, partial rollouts with their staleness rule and prefill pool, no unknown BAPO or partial-rollout
+    option): a preset that gains another fails here, naming it, until the rehearsal covers it. The check
+    itself flags a planted change of each kind."""
+    presets = shipped_presets()
+    assert {p.name for p in presets} >= KNOWN_PRESETS, [p.name for p in presets]
+    problems = {p.name: unrehearsed(load_preset(p)) for p in presets}
+    assert not any(problems.values()), "not rehearsed on CPU (tests/test_nemo_megatron_rehearsal.py):\n" + "\n".join(
+        f"configs/{name}: {problem}" for name, found in problems.items() for problem in found
+    )
+    planted = load_preset(PRESET)
+    planted["loss_fn"]["bapo"]["step_bounds_sample"] = 0.25
+    planted["partial_rollouts"].update(stale_segments="exclude", prefill_batches=0, new_option=1)
+    planted["policy"]["megatron_cfg"]["context_parallel_size"] = 1
+    assert unrehearsed(planted) == [
+        "context_parallel=False (the rehearsal runs ['True'])",
+        "step_bounds='sampled' (the rehearsal runs ['exact'])",
+        "partial_rollouts='exclude' (the rehearsal runs ['keep'])",
+        "partial_prefill=False (the rehearsal runs ['True'])",
+        "partial_rollouts.new_option (an option the rehearsal does not know)",
+    ]
 
 
 def test_the_rehearsal_config_changes_only_sizes(tmp_path):
-    """The rehearsal's config selects the same modes as the 32B preset, plus the partial rollouts it adds
-    when the preset has none (REHEARSED_MODES is what it runs, not a wish list)."""
-    path, info = rehearsal_config(tmp_path, {"model": tmp_path, "train": tmp_path / "x.jsonl", "mlflow": "sqlite://"})
+    """The rehearsal's config selects exactly the modes of the preset it rehearses (REHEARSED_MODES is
+    what it runs, not a wish list)."""
+    path, _ = rehearsal_config(tmp_path, {"model": tmp_path, "train": tmp_path / "x.jsonl", "mlflow": "sqlite://"})
     preset, rehearsal = modes(load_preset(PRESET)), modes(load_preset(path))
-    expected = dict(preset)
-    if info["partial_rollouts_added"]:
-        expected["partial_rollouts"] = DEFAULT_PARTIAL_ROLLOUTS["stale_segments"]
-    assert rehearsal == expected
+    assert rehearsal == preset
     assert {k: {v} for k, v in rehearsal.items()} == REHEARSED_MODES
 
 
@@ -681,15 +728,13 @@ def generation_segments(record_dir: Path) -> list[dict]:
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
 def test_partial_rollout_segments_of_several_policy_versions_reach_the_loss(rehearsal, record_property):
-    """Partial rollouts (the preset's block at tiny budgets; the preset ships none today, so the rehearsal
-    adds {token_budget: 2, max_resumptions: 3, stale_segments: keep} and says so): responses sampled in
+    """Partial rollouts (the 64k preset's block at tiny budgets: 4 segments of 2 tokens, stale segments
+    kept, 2 batches of prompts prefilled): responses sampled in
     segments by two or more policy versions (the generation workers record the optimizer steps their
     weights had seen) reach the loss after sharding and packing with each segment's own behaviour
     log-probs, unmasked (keep)."""
     info = rehearsal["info"]
     record_property("partial_rollouts", json.dumps(info["partial_rollouts"]))
-    if info["partial_rollouts_added"]:
-        record_property("partial_rollouts_source", "added by the rehearsal: configs/bapo_32b.yaml has none")
     segments = generation_segments(rehearsal["record"])
     assert segments and all(len(s["tokens"]) <= info["partial_rollouts"]["token_budget"] for s in segments)
     mixed = 0
