@@ -80,6 +80,7 @@ XDIST_GROUPS = {
     "test_nemo_partial_rollout.py": "nemo-rl-in-process",
     "test_tracking_nemo_rl.py": "nemo-rl-in-process",
     "test_nemo_step_signal.py": "nemo-rl-in-process",
+    "test_nemo_megatron_rehearsal.py": "nemo-rl-in-process",
 }
 
 

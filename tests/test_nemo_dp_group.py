@@ -4,8 +4,8 @@
 ranks {0, 1} are one model replica (TP peers holding the same micro-batch), {2, 3} the other. The
 bounds every rank computes must equal a single-process search over the two replicas' tokens, each
 token counted once (a WORLD reduction would count every token twice, and with PP it would deadlock).
-Two group sources: the DTensor layout rebuilt by `groups.py`, and Megatron's `parallel_state` (when
-megatron-core is installed: the real `initialize_model_parallel` on gloo; it needs no GPU for groups)."""
+Two group sources: the DTensor layout rebuilt by `groups.py`, and Megatron's `parallel_state` (megatron-core
+from the `nemo-cpu` extra: the real `initialize_model_parallel` on gloo; it needs no GPU for groups)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["dtensor", "megatron"])
+@pytest.mark.parametrize(
+    "backend",
+    # megatron-core comes with the nemo-cpu extra, as NeMo-RL does (skipped, with the reason, without it)
+    ["dtensor", pytest.param("megatron", marks=pytest.mark.nemo_rl)],
+)
 def test_four_gloo_ranks_reduce_over_data_parallel_only(tmp_path, backend):
-    if backend == "megatron":
-        pytest.importorskip(
-            "megatron.core", reason="megatron-core not installed (it is in the NeMo-RL container)"
-        )
     world = 4
     # fork: the children inherit the imported torch (CPU only, no CUDA state), 4 x faster than spawn
     mp.start_processes(

@@ -22,6 +22,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 QWEN3_32B_RECIPE = """
 grpo: {num_prompts_per_step: 64, num_generations_per_prompt: 32}
 loss_fn: {force_on_policy_ratio: true, use_importance_sampling_correction: false}
+checkpointing: {enabled: false}   # as published (its parent's model_save_format would fail a Megatron save)
 policy:
   model_name: Qwen/Qwen3-32B
   train_global_batch_size: 2048
@@ -144,6 +145,7 @@ def _broken(tmp_path, text):
         ("loss_fn.bapo.rho0=1.5", "loss_fn.bapo", "rho0"),
         ("loss_fn.force_on_policy_ratio=true", "loss_fn.force_on_policy_ratio", "set it false"),
         ("policy.generation.vllm_cfg.gpu_memory_utilization=0.9", "policy.megatron_cfg", "exceeds 80 GB"),
+        ("checkpointing.model_save_format=safetensors", "checkpointing.model_save_format", "set it to null"),
     ],
 )
 def test_rules_name_key_and_fix(tmp_path, override, key, fragment):

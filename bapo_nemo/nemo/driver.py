@@ -2,7 +2,8 @@
 
     load config (+ Hydra overrides) -> our config checks -> MLflow logger config -> MasterConfig
     -> init_ray -> tokenizer, generation config, datasets -> [partial rollouts] -> grpo.setup(...)
-    -> replace setup's ClippedPGLossFn by BAPOLossFn -> [step-granularity wrapper on policy.train]
+    -> replace setup's ClippedPGLossFn by BAPOLossFn -> [FP8 packing width guard, step-granularity
+    wrapper on policy.train]
     -> MLflow tags/params -> grpo_train or async_grpo_train
 
 Resume: v0.7.0's `setup()` looks for the newest `checkpointing.checkpoint_dir/step_N` itself
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ) = setup(master_config, tokenizer, dataset, val_dataset)
     # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
     loss_fn = make_loss_fn(master_config)
+    from bapo_nemo.nemo.packing import install_packed_width_guard
+
+    install_packed_width_guard(policy, master_config.policy)  # FP8 packing x fused loss (see packing.py)
     install_step_bounds(policy, loss_fn, master_config)
     policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
     if partial_hook is not None:

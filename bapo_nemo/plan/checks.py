@@ -54,6 +54,8 @@ NEMO_DEFAULTS: dict[str, Any] = {
     "loss_fn.force_on_policy_ratio": False,
     "cluster.gpus_per_node": 1,
     "cluster.num_nodes": 1,
+    "checkpointing.enabled": True,
+    "checkpointing.model_save_format": "safetensors",
 }
 
 
@@ -241,6 +243,7 @@ def check_config(
         f += _batch_rules(config, plan)
     f += _generation_rules(config, plan, model)
     f += _loss_rules(config, plan)
+    f += _checkpoint_rules(config)
     if check_paths:
         f += _path_rules(config, Path(workdir) if workdir is not None else Path.cwd())
     return f
@@ -525,6 +528,27 @@ def _loss_rules(config: dict, plan: ClusterPlan | None) -> list[Finding]:
     # granularity: step's cost is reported on its own line by `bapo-nemo check` (plan/step_cost.py), not
     # as a warning: it is the shipped cluster default, chosen for that cost (docs/nemo_rl.md).
     return f
+
+
+def _checkpoint_rules(config: dict) -> list[Finding]:
+    """v0.7.0's `Policy.save_checkpoint` refuses `checkpointing.model_save_format` for every policy but
+    DTensor v2 (lm_policy.py, lines 1079-1085): with Megatron the job's first checkpoint raises. Megatron
+    writes its own torch_dist format; NeMo-RL's Megatron recipes set the key to null."""
+    if not bool(value(config, "checkpointing.enabled")):
+        return []
+    save_format = value(config, "checkpointing.model_save_format")
+    dtensor_v2 = bool(value(config, "policy.dtensor_cfg.enabled")) and bool(get(config, "policy.dtensor_cfg._v2"))
+    if save_format is None or dtensor_v2:
+        return []
+    return [
+        Finding(
+            "error",
+            "checkpointing.model_save_format",
+            f"{save_format!r} makes NeMo-RL v0.7.0 fail the first checkpoint of a "
+            f"{'Megatron' if bool(value(config, 'policy.megatron_cfg.enabled')) else 'DTensor v1'} policy "
+            "(only DTensor v2 takes it): set it to null",
+        )
+    ]
 
 
 # Where nvcr.io/nvidia/nemo-rl:v0.7.0 holds NeMo-RL's source (its examples/prompts/ included).

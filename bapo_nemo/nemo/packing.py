@@ -1,0 +1,91 @@
+"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL v0.7.0's Megatron path: widen the training batch.
+
+With FP8, NeMo-RL pads each packed micro-batch to a multiple of the FP8 block times 2*CP (times TP with
+sequence parallel) by growing the bin's LAST sequence (`megatron/data.py`,
+`_get_pack_sequence_parameters_for_megatron` and `_pack_sequences_for_megatron`), and the packed-sequence
+parameters carry these padded lengths as `cu_seqlens_q`. With `sequence_packing.fuse_loss: true`, the loss
+input is built by `prepare_packed_loss_input` -> `_pack_input_ids` (algorithms/loss/utils.py), which copies
+`input_ids[i, :padded_len]` into a buffer of `padded_len`: when the last sequence's padded length exceeds
+the batch's width (its longest sequence, rounded to `make_sequence_length_divisible_by`), the copy fails
+with "The expanded size of the tensor ... must match the existing size". With the 32B config (TP 8, CP 4,
+blockwise: multiples of 8,192 tokens) a bin of a 20,000- and a 15,000-token sequence in a batch whose
+longest sequence is 20,000 tokens is padded to 40,960 and its last sequence to 20,928 > 20,032: the first
+`policy.train()` fails. The log-prob path (`from_parallel_logits_to_logprobs_packed_sequences`) clips to
+the width and is not affected.
+
+`PackedWidthGuard` wraps `policy.train` and right-pads every per-token tensor of the batch to the widest
+padded sequence a bin can produce: a bin holds at most `sequence_packing.train_mb_tokens` padded tokens
+(the packer's capacity), so no sequence of it is padded past round_up(train_mb_tokens, FP8 multiple).
+The added columns are masked (`token_mask` 0) and packing reads `input_lengths`, so the loss, gradients
+and metrics are unchanged; it costs host memory for the wider batch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def fp8_packed_multiple(policy: Mapping[str, Any]) -> int:
+    """The multiple NeMo-RL pads each packed micro-batch to (1 without FP8): v0.7.0's
+    `_get_pack_sequence_parameters_for_megatron` (block 128 blockwise, 32 mxfp8, else 16; x 2*CP when
+    CP > 1; x TP with sequence parallel)."""
+    megatron = policy.get("megatron_cfg") or {}
+    fp8 = megatron.get("fp8_cfg") or {}
+    if not (megatron.get("enabled") and fp8.get("enabled")):
+        return 1
+    multiple = {"blockwise": 128, "mxfp8": 32}.get(fp8.get("fp8_recipe"), 16)
+    cp, tp = int(megatron.get("context_parallel_size", 1)), int(megatron.get("tensor_model_parallel_size", 1))
+    if cp > 1:
+        multiple *= 2 * cp
+    if tp > 1 and megatron.get("sequence_parallel"):
+        multiple *= tp
+    return multiple
+
+
+def fused_loss_width(policy: Mapping[str, Any]) -> int | None:
+    """The batch width the fused packed loss needs, or None when the configuration cannot overflow
+    (no Megatron packing with fuse_loss, or no FP8 padding of packed micro-batches)."""
+    packing = policy.get("sequence_packing") or {}
+    if not (packing.get("enabled") and packing.get("fuse_loss")):
+        return None
+    multiple = fp8_packed_multiple(policy)
+    if multiple == 1:
+        return None
+    capacity = int(packing["train_mb_tokens"])
+    return -(-capacity // multiple) * multiple
+
+
+def pad_sequence_dim(batch, width: int):
+    """A shallow copy of `batch` whose [B, S] tensors are right-padded with zeros to `width` columns
+    (tensors of another shape, e.g. [B] or S > width, are kept as they are)."""
+    width = int(width)
+    seq = batch["input_ids"].shape[1]
+    copied = batch.__class__()
+    copied.update(batch)
+    if seq >= width:
+        return copied
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == seq:
+            copied[key] = torch.nn.functional.pad(value, (0, width - seq), value=0)
+    return copied
+
+
+class PackedWidthGuard:
+    """Drop-in for `policy.train` that widens the batch to `width` first (see the module docstring)."""
+
+    def __init__(self, train_fn: Callable, width: int):
+        self.train_fn, self.width = train_fn, int(width)
+
+    def __call__(self, data, loss_fn, *args, **kwargs):
+        return self.train_fn(pad_sequence_dim(data, self.width), loss_fn, *args, **kwargs)
+
+
+def install_packed_width_guard(policy, policy_config: Mapping[str, Any]) -> int | None:
+    """Wrap `policy.train` when the configuration needs it; returns the width (None: not needed)."""
+    width = fused_loss_width(policy_config)
+    if width is not None:
+        policy.train = PackedWidthGuard(policy.train, width)
+    return width

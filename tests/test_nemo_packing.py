@@ -1,0 +1,108 @@
+"""FP8 packing with `fuse_loss` (bapo_nemo/nemo/packing.py): how wide the training batch must be, and that
+NeMo-RL v0.7.0's own packing and fused-loss input code fails on the 32B config's shapes without it and
+runs with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_nemo.nemo.packing import PackedWidthGuard, fp8_packed_multiple, fused_loss_width, pad_sequence_dim
+from bapo_nemo.plan.config_io import load_nemo_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("name", "multiple", "width"),
+    [
+        # 128 (blockwise) x 2*CP x TP (sequence parallel); width = train_mb_tokens rounded up to it
+        ("bapo_7b.yaml", 128 * 4 * 4, 34816),  # 34,816 = 17 x 2,048
+        ("bapo_32b.yaml", 128 * 8 * 8, 40960),  # 40,960 = 5 x 8,192
+        ("bapo_32b_64k.yaml", 128 * 16 * 8, 65536),
+    ],
+)
+def test_the_width_the_shipped_configs_need(name, multiple, width):
+    policy = load_nemo_config(REPO / "configs" / name)["policy"]
+    assert fp8_packed_multiple(policy) == multiple
+    assert fused_loss_width(policy) == width
+
+
+def test_no_widening_without_fp8_or_without_the_fused_loss():
+    policy = load_nemo_config(REPO / "configs" / "bapo_32b.yaml")["policy"]
+    policy["megatron_cfg"]["fp8_cfg"]["enabled"] = False
+    assert fused_loss_width(policy) is None
+    policy["megatron_cfg"]["fp8_cfg"]["enabled"] = True
+    policy["sequence_packing"]["fuse_loss"] = False
+    assert fused_loss_width(policy) is None
+
+
+def test_padding_keeps_every_column_and_masks_the_new_ones():
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]),
+        "input_lengths": torch.tensor([3, 2]),
+        "bapo_c_low": torch.tensor([0.6, 0.6], dtype=torch.float64),
+    }
+    wide = pad_sequence_dim(batch, 5)
+    assert wide["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]]
+    assert wide["token_mask"].tolist() == [[0, 1, 1, 0, 0], [0, 1, 0, 0, 0]]
+    assert torch.equal(wide["input_lengths"], batch["input_lengths"])  # per-sample columns untouched
+    assert torch.equal(wide["bapo_c_low"], batch["bapo_c_low"])
+    assert batch["input_ids"].shape == (2, 3)  # the caller's batch is not changed
+    seen = []
+    PackedWidthGuard(lambda data, loss_fn, **kw: seen.append((data["input_ids"].shape, kw)), 8)(batch, None, gbs=2)
+    assert seen == [((2, 8), {"gbs": 2})]
+
+
+# NeMo-RL v0.7.0's packing (megatron/data.py) and fused-loss input (algorithms/loss/utils.py) on the 32B
+# config's shapes: a bin of a 20,000- and a 15,000-token sequence, the batch's longest being 20,000 tokens.
+# Runs in its own interpreter: the CPU shim it needs for megatron-core 0.16.1 patches torch process-wide.
+_PACK = """
+import json, sys, torch
+from tests.nemo_rl_shim import megatron_cpu
+megatron_cpu.install()
+from nemo_rl.algorithms.loss.utils import _pack_input_ids
+from nemo_rl.models.megatron.data import _get_pack_sequence_parameters_for_megatron, _pack_sequences_for_megatron
+from bapo_nemo.nemo.packing import pad_sequence_dim
+policy = json.loads(sys.argv[1])
+width = int(sys.argv[2])
+lengths = torch.tensor([20000, 15000])
+unpadded = 20032  # the batch's width: its longest sequence rounded to make_sequence_length_divisible_by
+out = {}
+for name, w in (("as_batched", unpadded), ("widened", width)):
+    batch = pad_sequence_dim({"input_ids": torch.randint(1, 100, (2, unpadded))}, w)
+    args = _get_pack_sequence_parameters_for_megatron(policy["megatron_cfg"], policy["make_sequence_length_divisible_by"], w)
+    for cp_rank in range(policy["megatron_cfg"]["context_parallel_size"]):
+        _, _, params, _, _ = _pack_sequences_for_megatron(batch["input_ids"], lengths, *args, cp_rank=cp_rank,
+                                                          cp_size=policy["megatron_cfg"]["context_parallel_size"])
+        try:
+            _pack_input_ids(batch["input_ids"], params.cu_seqlens_q, params.cu_seqlens_q_padded, cp_rank=cp_rank,
+                            cp_size=policy["megatron_cfg"]["context_parallel_size"], roll_shift=-1)
+            out[name] = "ok"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+            break
+    out[name + "_padded_lengths"] = params.cu_seqlens_q_padded.diff().tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.nemo_rl
+def test_nemo_rls_fused_loss_input_fails_on_the_32b_shapes_unless_the_batch_is_widened():
+    policy = load_nemo_config(REPO / "configs" / "bapo_32b.yaml")["policy"]
+    done = subprocess.run(
+        [sys.executable, "-c", _PACK, json.dumps(policy), str(fused_loss_width(policy))],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # FP8 grows the bin to 40,960 tokens through its last sequence: 15,000 -> 20,928 > 20,032 columns
+    assert out["as_batched_padded_lengths"] == [20032, 20928]
+    assert "The expanded size of the tensor (20928) must match the existing size (20032)" in out["as_batched"]
+    assert out["widened"] == "ok"
