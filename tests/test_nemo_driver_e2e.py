@@ -10,75 +10,27 @@ the stand-ins are put in place by replacing `nemo_rl.algorithms.grpo.Policy` / `
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bapo_nemo.embedded.tokenizer import build_tokenizer
+from tests.ray_head import private_ray_head
 
 pytestmark = pytest.mark.nemo_rl
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A private Ray head (4 logical CPUs, 2 logical GPUs: async GRPO trains and generates on separate
-    ones), stopped with the module.
-
-    `ray start --block` keeps the head's processes as its children: terminating it stops exactly them.
-    NeMo-RL's init_ray() joins it through RAY_ADDRESS (an externally managed cluster is reused)."""
-    import ray
-
-    port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-            "--num-cpus=4", "--num-gpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address
-    deadline = time.time() + 300  # a hang guard: a loaded 2-core machine took 25 s at load 10
-    while True:
-        try:
-            ray.init(address=address, log_to_driver=False)
-            ray.shutdown()
-            break
-        except (ConnectionError, RuntimeError, TimeoutError):  # not up yet
-            if time.time() > deadline or proc.poll() is not None:
-                proc.terminate()
-                raise RuntimeError(f"the Ray head at {address} did not start") from None
-            time.sleep(1)
-    yield address
-    if ray.is_initialized():
-        ray.shutdown()
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    if previous is None:
-        os.environ.pop("RAY_ADDRESS", None)
-    else:
-        os.environ["RAY_ADDRESS"] = previous
+    ones), stopped with the module."""
+    with private_ray_head(num_cpus=4, num_gpus=2) as address:
+        yield address
 
 
 @pytest.fixture

@@ -24,10 +24,8 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -36,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from tests.ray_head import private_ray_head
 
 # Runs in tests/conftest.py's "nemo-rl-in-process" xdist group (Ray, MLflow's fluent API and the driver's
 # signal handlers in the test process; 17 Ray actors that must not run beside another module's).
@@ -277,55 +277,6 @@ def test_the_rehearsal_config_changes_only_sizes(tmp_path):
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def ray_head(num_cpus: int, num_gpus: int):
-    """A private Ray head with logical GPUs (NeMo-RL's placement groups ask for them), stopped after.
-    `ray start --block` keeps the head's processes as its children: terminating it stops exactly them."""
-    import ray
-
-    port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths have a length limit
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", f"--temp-dir={temp_dir}",
-         "--include-dashboard=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address  # NeMo-RL's init_ray() joins it (never another job's head)
-    deadline = time.time() + 120
-    try:
-        while True:
-            try:
-                ray.init(address=address, log_to_driver=False)
-                ray.shutdown()
-                break
-            except (ConnectionError, RuntimeError, TimeoutError):
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"the Ray head at {address} did not start") from None
-                time.sleep(1)
-        yield address
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if previous is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = previous
-
-
 @contextmanager
 def upstream_seams(record_dir: Path, driver_calls: dict):
     """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
@@ -426,7 +377,7 @@ def rehearsal(tmp_path_factory):
 
     previous_handler = signal.getsignal(signal.SIGUSR1)
     runs = []
-    with ray_head(num_cpus=24, num_gpus=TP * CP * DP), upstream_seams(record, calls):
+    with private_ray_head(num_cpus=24, num_gpus=TP * CP * DP), upstream_seams(record, calls):
         calls["on_train"].append(signal_during_stop_step)
         try:
             started = time.time()
