@@ -25,16 +25,19 @@ def free_port() -> int:
 def private_ray_head(num_cpus: int, num_gpus: int) -> Iterator[str]:
     """Yields the head's address, also put in RAY_ADDRESS (NeMo-RL's init_ray() joins it, never another
     job's head). Logical GPUs: NeMo-RL's placement groups ask for them. `ray start --block` keeps the
-    head's processes as its children: terminating it stops exactly them. The dashboard agent's HTTP port
-    is chosen free too (its default, 52365, is fixed: a second head on the machine would lose it)."""
+    head's processes as its children: terminating it stops exactly them. Every port Ray would otherwise
+    take at a fixed default (dashboard 8265 even with the dashboard off, client server 10001, agent
+    52365) is chosen free too, so a second head on the machine (another test run) never collides."""
     import ray
 
-    port, agent_port = free_port(), free_port()
+    port, agent_port, dashboard_port, client_port, metrics_port = (free_port() for _ in range(5))
     temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-            f"--dashboard-agent-listen-port={agent_port}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+            f"--dashboard-agent-listen-port={agent_port}", f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={client_port}", f"--metrics-export-port={metrics_port}",
+            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
             f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
         ],
         stdout=subprocess.DEVNULL,
