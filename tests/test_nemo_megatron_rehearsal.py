@@ -146,13 +146,15 @@ def modes(config: dict) -> dict:
 
 
 def shipped_presets() -> list[Path]:
-    """Every cluster preset under configs/ (a NeMo-RL config: `defaults:` or `policy:` at the top)."""
-    found = []
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
-        if "defaults" in raw or "policy" in raw:
-            found.append(path)
-    return found
+    """Every cluster preset under configs/: a NeMo-RL config by `bapo_nemo.config_kind` (the embedded
+    configs share NeMo-RL's section names, `policy:` included, so a section name alone does not tell)."""
+    from bapo_nemo.config_kind import config_kind
+
+    return [
+        path
+        for path in sorted((REPO / "configs").glob("*.yaml"))
+        if config_kind(yaml.safe_load(path.read_text()) or {}) == "nemo_rl"
+    ]
 
 
 def scaled_partial_rollouts(block: dict, response_cap: int) -> dict:
