@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from bapo_nemo.embedded.tokenizer import build_tokenizer
+from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
 
 pytestmark = pytest.mark.nemo_rl
@@ -112,21 +113,7 @@ def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", *
                 "vllm_cfg": {"precision": "bfloat16", "tensor_parallel_size": 1, "max_model_len": 32},
             },
         },
-        "data": {
-            "max_input_seq_length": 16,
-            "num_workers": 0,
-            "train": {
-                "dataset_name": "ResponseDataset", "data_path": str(assets["train"]),
-                "input_key": "input", "output_key": "output", "prompt_file": None,
-            },
-            "validation": None,
-        },
-        "env": {"math": {"num_workers": 1}},
-        "logger": {
-            "log_dir": str(tmp_path / "logs"),
-            "monitor_gpus": False,
-            "mlflow": {"tracking_uri": assets["mlflow"], "experiment_name": tmp_path.name},
-        },
+        **data_env_logger(assets, tmp_path / "logs", tmp_path.name, max_input_seq_length=16),
         "cluster": {"gpus_per_node": 1, "num_nodes": 1},
     }
     _merge(config, extra)

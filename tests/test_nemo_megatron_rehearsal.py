@@ -35,6 +35,7 @@ import pytest
 import torch
 import yaml
 
+from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
 
 # Runs in tests/conftest.py's "nemo-rl-in-process" xdist group (Ray, MLflow's fluent API and the driver's
@@ -208,21 +209,8 @@ def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
             "generation": {"max_new_tokens": RESPONSE_CAP},
         },
         "partial_rollouts": partial,
-        "data": {
-            "max_input_seq_length": SEQUENCE - RESPONSE_CAP,  # as the preset: prompt + response cap = sequence
-            "num_workers": 0,
-            "train": {
-                "dataset_name": "ResponseDataset", "data_path": str(assets["train"]),
-                "input_key": "input", "output_key": "output", "prompt_file": None,
-            },
-            "validation": None,
-        },
-        "env": {"math": {"num_workers": 1}},
-        "logger": {
-            "log_dir": str(root / "logs"),
-            "monitor_gpus": False,
-            "mlflow": {"tracking_uri": assets["mlflow"], "experiment_name": "rehearsal"},
-        },
+        # as the preset: prompt + response cap = sequence
+        **data_env_logger(assets, root / "logs", "rehearsal", max_input_seq_length=SEQUENCE - RESPONSE_CAP),
         "cluster": {"gpus_per_node": TP * CP * DP, "num_nodes": 1},
     }
     path = root / "bapo_32b_rehearsal.yaml"
