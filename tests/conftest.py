@@ -22,6 +22,22 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# One intra-op thread per process: xdist runs two workers per core (WORKERS_PER_CPU), each starting
+# trainers, CLIs and Ray actors, so every core is shared already; more threads spin-wait on busy cores
+# (measured: the suite used ~260 CPU-s more with torch's default of one thread per core). Set before
+# anything imports torch, and inherited by every subprocess and Ray worker. A test that needs more threads
+# sets them itself.
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
+# Every Ray cluster the tests start (private heads, local ones) reads these from its environment:
+# - workers at the tests' priority: Ray starts its workers at niceness 15, below a cluster node's driver;
+#   here the other tests' processes (nice 0) starve them (a GRPO test of 9 s alone took 335 s beside four
+#   busy loops, 25 s with this);
+# - no idle Python workers started ahead of need (one per logical CPU: 24 for the Megatron rehearsal's
+#   head): NeMo-RL's actors carry their own runtime environment and never use them.
+os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -80,7 +96,10 @@ XDIST_GROUPS = {
     "test_nemo_partial_rollout.py": "nemo-rl-in-process",
     "test_tracking_nemo_rl.py": "nemo-rl-in-process",
     "test_nemo_step_signal.py": "nemo-rl-in-process",
-    "test_nemo_megatron_rehearsal.py": "nemo-rl-in-process",
+    # The Megatron rehearsal does the same in a worker of its own, beside the group above (its Ray head is
+    # private too): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which would otherwise
+    # queue behind the whole group.
+    "test_nemo_megatron_rehearsal.py": "nemo-rl-megatron",
 }
 
 

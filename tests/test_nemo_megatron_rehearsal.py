@@ -38,11 +38,10 @@ import yaml
 from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
 
-# Runs in tests/conftest.py's "nemo-rl-in-process" xdist group (Ray, MLflow's fluent API and the driver's
-# signal handlers in the test process; 17 Ray actors that must not run beside another module's).
-# The module fixture's work is fixed (two driver runs, 32 Ray workers started) and its wall time follows
-# the machine's load: 285 s at load ~5-15 on two cores, 589 s at 40-68, past the suite's 900 s with a busy
-# loop beside it. The limit here is for hangs only.
+# Runs in an xdist worker of its own (tests/conftest.py's "nemo-rl-megatron" group: Ray, MLflow's fluent
+# API and the driver's signal handlers in the test process; 17 Ray actors and ~9 GB at the peak, so never
+# beside a second copy). The module fixture's work is fixed (two driver runs, 32 Ray workers started) and
+# its wall time follows the machine's load; the limit here is for hangs only.
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.timeout(2700)]
 
 REPO = Path(__file__).resolve().parent.parent

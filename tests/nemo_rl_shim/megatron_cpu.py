@@ -15,6 +15,8 @@ see the machine as it is. What it replaces, and why:
    `offload_to_cpu` frees the original storage right after). The module attributes are patched rather
    than a TorchFunctionMode pushed, because torch switches modes off inside autograd's backward, where
    `AllGatherCPTensor.backward` makes its index tensor with `pin_memory=True` and `.cuda()`.
+   megatron-core's checkpoint writer starts its results-queue Manager with "spawn" (safe beside CUDA
+   state); on CPU it is forked (`_forked_write_results_queue`).
    `torch.cuda.*` queries answer for one CPU "device" (index 0, NVML-free memory figures), and NVTX
    profiling ranges (`nemo_rl.utils.nsys.wrap_with_nvtx_name`) are no-ops.
 2. `megatron.bridge`. Megatron-Bridge needs Transformer Engine to import, and its PyPI release pins
@@ -262,11 +264,27 @@ def save_checkpoint(
     sharded = training_state_dict(chunk, optimizer, opt_param_scheduler)
     sharded["iteration"] = iteration
     sharded["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    _forked_write_results_queue()
     dist_checkpointing.save(sharded, str(target))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         (Path(state.cfg.checkpoint.save) / TRACKER_FILE).write_text(str(iteration))
     torch.distributed.barrier()
+
+
+def _forked_write_results_queue() -> None:
+    """megatron-core's torch_dist writer collects its write results through a `multiprocessing` Manager
+    it starts with "spawn" (filesystem_async.py:54): a fresh interpreter, which a process holding CUDA
+    state needs, and which here imports the Ray worker's modules again (~4 CPU-s per rank per save, 16
+    times a rehearsal). A CPU process can fork it: the same Manager and queue, made once per process
+    before megatron-core would make its own. (The writer processes themselves are forked by
+    megatron-core as on a GPU machine.)"""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def maybe_finalize_async_save(global_state, ckpt_cfg=None, blocking=False, terminate=False):
