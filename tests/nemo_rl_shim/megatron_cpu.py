@@ -32,6 +32,9 @@ see the machine as it is. What it replaces, and why:
    (`policy.generation.backend: megatron`, not used here) become placeholders, `PackedSeqParams`
    accepts the `total_tokens` field NeMo-RL passes (0.16.1 lacks it; nothing in 0.16.1 reads it), and
    optimizers answer `grad_norms_by_group` (the newer per-group norms; 0.16.1 has no groups).
+4. Start-up only: wandb, mlflow and swanlab, imported at the top of NeMo-RL's logger module (and
+   megatron-core's timers) but never called by a policy worker, load on first use instead of at import
+   (~3 CPU-s of each of a rehearsal's 16 worker start-ups). A use loads the real package.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -400,12 +404,43 @@ def _install_grad_norms_by_group() -> None:
             cls.grad_norms_by_group = property(lambda self: {})
 
 
+# ---- 4. start-up ------------------------------------------------------------------------------------------
+_LOADED_ON_FIRST_USE = ("wandb", "mlflow", "swanlab")
+
+
+class _ModuleLoadedOnFirstUse(importlib.util._LazyModule):
+    """importlib's lazy module, except that reading `__spec__` is not a use: a second `import wandb`
+    elsewhere reads it (to see whether the module is still initialising) and would load it."""
+
+    def __getattribute__(self, attr):
+        if attr == "__spec__":
+            return object.__getattribute__(self, "__dict__")["__spec__"]
+        return super().__getattribute__(attr)
+
+
+class _LoaderOnFirstUse(importlib.util.LazyLoader):
+    def exec_module(self, module):
+        super().exec_module(module)
+        module.__class__ = _ModuleLoadedOnFirstUse
+
+
+class _OnFirstUseFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _LOADED_ON_FIRST_USE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderOnFirstUse(spec.loader)
+        return spec
+
+
 def install() -> None:
-    """Install all three (idempotent). Call before importing NeMo-RL's Megatron modules."""
+    """Install all four (idempotent). Call before importing NeMo-RL's Megatron modules."""
     global _INSTALLED
     if _INSTALLED:
         return
     _install_cuda_on_cpu()
+    sys.meta_path.insert(0, _OnFirstUseFinder())
     sys.meta_path.insert(0, _StubFinder(("megatron.bridge",), _MISSING_MCORE_MODULES, _BRIDGE_FUNCTIONS))
     for module_name, names in _MISSING_MCORE_NAMES.items():
         module = importlib.import_module(module_name)
