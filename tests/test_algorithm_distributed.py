@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bapo_nemo.algorithm import BAPOConfig, process_group_all_reduce, search_clip_bounds
+from tests.hang_guard import HANG_GUARD_S
 
 CONFIGS = {
     "paper-value": BAPOConfig(measure="value"),
@@ -60,7 +61,7 @@ def test_two_ranks_choose_the_bounds_of_the_concatenated_batch():
     procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=120) for _ in procs]
+    got = [out.get(timeout=HANG_GUARD_S) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

@@ -15,13 +15,14 @@ import pytest
 import yaml
 
 from bapo_nemo.config_kind import config_kind
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S,
                           check=False, env=env)
 
 

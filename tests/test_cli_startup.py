@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +26,7 @@ from bapo_nemo.rollout import PartialRolloutConfig
 print(sorted(m for m in ("torch", "transformers", "mlflow") if m in sys.modules))
 """
     done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=HANG_GUARD_S, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
     assert "not valid YAML" in done.stderr

@@ -14,6 +14,7 @@ import pytest
 from bapo_nemo.plan.config_io import load_nemo_config
 from bapo_nemo.plan.hub_assets import DATASETS, HubAsset, hub_assets
 from bapo_nemo.plan.signal_lead import signal_line
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "cluster.md").read_text()
@@ -121,7 +122,7 @@ def test_hub_assets_of_the_32b_config_and_the_prefetch_command_the_doc_gives():
     command = "python -m bapo_nemo.plan.hub_assets configs/bapo_32b.yaml --dry-run"
     assert command in DOC
     done = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, check=False, env={"PATH": "/usr/bin:/bin", "HF_HOME": "/shared/hf_cache"})
+                          timeout=HANG_GUARD_S, check=False, env={"PATH": "/usr/bin:/bin", "HF_HOME": "/shared/hf_cache"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["would fetch into /shared/hf_cache:", *(f"  {a}" for a in assets)]
     for asset in assets:  # the doc names every repository the job needs

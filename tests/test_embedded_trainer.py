@@ -18,6 +18,7 @@ import yaml
 from bapo_nemo.embedded.checkpoint import complete_checkpoints
 from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.trainer import ResumeError, train
+from tests.hang_guard import HANG_GUARD_S
 
 TINY = {
     "grpo": {"seed": 0, "num_generations_per_prompt": 4, "num_prompts_per_step": 4, "max_num_steps": 16,
@@ -188,7 +189,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     proc = _launch(config, out, "grpo.max_num_steps=400", json_summary=False)
     _wait_for_checkpoint(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, stderr[-3000:]
     # the end in words: where it stopped, and the command that continues it
     lines = stdout.splitlines()
@@ -219,7 +220,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
         time.sleep(0.05)
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
     assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 0

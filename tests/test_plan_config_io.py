@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from bapo_nemo.plan.config_io import load_nemo_config
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 OMEGACONF_24 = "omegaconf==2.4.0"  # pure Python, needs only PyYAML: importable straight from its wheel
@@ -51,7 +52,7 @@ def test_bapo_nemo_check_prints_no_warning_on_omegaconf_2_4(omegaconf_24_wheel):
     result = subprocess.run(
         [sys.executable, "-c", program, "check", str(REPO / "configs" / "bapo_7b.yaml"), "--nodes", "1",
          "--gpus-per-node", "8"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True, timeout=120,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True, timeout=HANG_GUARD_S,
         check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

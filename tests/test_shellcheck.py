@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", "runs", "results", "logs"}
 
@@ -72,7 +74,7 @@ def test_shellcheck(script):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

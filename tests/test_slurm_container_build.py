@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 INSTALL = REPO / "containers" / "install_into_venvs.sh"
 MAKE_SQUASHFS = REPO / "containers" / "make_squashfs.sh"
@@ -93,7 +95,7 @@ def test_install_checks_every_venv_and_keeps_torch(tmp_path, nemo_rl_absent):
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=120,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert cli.returncode == 0 and "train" in cli.stdout

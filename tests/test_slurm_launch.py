@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "bapo_32b.sbatch"
 
@@ -381,7 +383,7 @@ def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
             slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=False)
         return False
 
-    wait_until(next_attempt_running, 180, f"attempt {restarts} of job {sub.job_id} running", sub, period=1)
+    wait_until(next_attempt_running, HANG_GUARD_S, f"attempt {restarts} of job {sub.job_id} running", sub, period=1)
 
 
 def driver_summary(sub: Submission, attempt: int) -> dict:
@@ -455,7 +457,7 @@ def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, 
     sub = submit(slurm, tmp_path, max_steps=max_steps)
 
     # Attempt 0: wait for a first checkpoint (the trainer is then past start-up), then the USR1.
-    wait_until(lambda: (sub.latest_step() or 0) >= 2, 240, "a first checkpoint in attempt 0", sub)
+    wait_until(lambda: (sub.latest_step() or 0) >= 2, HANG_GUARD_S, "a first checkpoint in attempt 0", sub)
     slurm.run(["scancel", "--signal=USR1", "--batch", sub.job_id])
     release_requeued(slurm, sub, restarts=1)
     stop_0 = driver_summary(sub, 0)
@@ -464,7 +466,7 @@ def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, 
     assert "requeueing job" in sub.out_file.read_text()
 
     # Attempt 1: resumed past attempt 0's step; requeue it from outside once it has checkpointed again.
-    wait_until(lambda: (sub.latest_step() or 0) > stop_0["step"], 240, "a checkpoint in attempt 1", sub)
+    wait_until(lambda: (sub.latest_step() or 0) > stop_0["step"], HANG_GUARD_S, "a checkpoint in attempt 1", sub)
     slurm.run(["scontrol", "requeue", sub.job_id])
     release_requeued(slurm, sub, restarts=2)
     stop_1 = driver_summary(sub, 1)
@@ -472,7 +474,7 @@ def test_time_limit_signal_and_scontrol_requeue_both_resume_the_same_run(slurm, 
     assert stop_0["step"] < stop_1["step"] < max_steps
 
     # Attempt 2 finishes.
-    info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=HANG_GUARD_S)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", f"{info}\n{job_output(sub)}"
     final = driver_summary(sub, 2)
     assert final["step"] == max_steps and final["stopped_by_signal"] is None
@@ -505,11 +507,11 @@ def trainer_pid(slurm: LocalSlurm, job_id: str) -> int | None:
 
 def test_a_dead_driver_step_fails_the_job_without_requeue(slurm, tmp_path):
     sub = submit(slurm, tmp_path, max_steps=40)
-    pid = wait_until(lambda: trainer_pid(slurm, sub.job_id), 120, "the trainer process", sub)
+    pid = wait_until(lambda: trainer_pid(slurm, sub.job_id), HANG_GUARD_S, "the trainer process", sub)
     os.kill(pid, signal.SIGKILL)
     # Failed, not requeued (PENDING): a crash would only crash again. How soon is not asserted (the
-    # watchdog looks every WATCHDOG_SEC=1 s, but a loaded machine delays Slurm too): 120 s bound a hang.
-    info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED", "PENDING", "TIMEOUT"}, timeout=120)
+    # watchdog looks every WATCHDOG_SEC=1 s, but a loaded machine delays Slurm too): HANG_GUARD_S bounds a hang.
+    info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED", "PENDING", "TIMEOUT"}, timeout=HANG_GUARD_S)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{job_output(sub)}"
     assert "driver failed with exit code 137" in job_output(sub)
 
@@ -541,6 +543,6 @@ def test_bad_inputs_fail_with_a_clear_error(slurm, tmp_path):
         )
     for name, (_, _, message) in cases.items():
         sub = subs[name]
-        info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+        info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=HANG_GUARD_S)
         assert info["JobState"] == "FAILED", f"{name}: {info}"
         assert message in sub.out_file.read_text(), f"{name}: {job_output(sub)}"

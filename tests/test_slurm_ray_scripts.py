@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "slurm" / "lib"
 # Port ranges NeMo-RL v0.7.0 uses (ray.sub's port layout) and the kernel's ephemeral range.
@@ -162,7 +164,7 @@ def test_every_flag_is_one_of_ray_start():
     if ray is None:
         pytest.skip("ray is not installed")
     help_text = subprocess.run(
-        [ray, "start", "--help"], capture_output=True, text=True, timeout=120, check=True
+        [ray, "start", "--help"], capture_output=True, text=True, timeout=HANG_GUARD_S, check=True
     ).stdout
     for flag in DAEMON_FLAGS:
         assert flag in help_text, flag

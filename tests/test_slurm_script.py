@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 COMMON = REPO / "slurm" / "lib" / "common.sh"
 RUN_DRIVER = REPO / "slurm" / "lib" / "run_driver.sh"
@@ -134,7 +136,7 @@ def test_run_driver_relays_a_stop_request_to_the_driver(tmp_path):
     after checkpointing, 0, not the 7 of a natural end)."""
     proc, marker, stop_file = run_driver(tmp_path, "USR1", exit_code=7)
     stop_file.touch()
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, out
     assert marker.read_text() == "SIGUSR1"
     assert "sending SIGUSR1 to the driver" in out
@@ -145,7 +147,7 @@ def test_run_driver_with_signal_none_lets_the_driver_finish_and_keeps_its_exit_c
     stop_file.touch()
     out = read_until(proc, "the driver is expected to stop on its own")  # seen while the driver runs
     (tmp_path / "FINISH").touch()
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=HANG_GUARD_S)
     out += rest
     assert proc.returncode == 3, out
     assert marker.read_text() == "started"  # never signalled
@@ -161,7 +163,7 @@ def test_run_driver_relays_nothing_after_a_sigterm(tmp_path):
     stop_file.touch()
     out += read_until(proc, "stop requested after SIGTERM: nothing sent")  # seen while the driver runs
     (tmp_path / "FINISH").touch()
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=HANG_GUARD_S)
     out += rest
     assert proc.returncode == 3, out  # the driver ran to its end: not killed, not signalled
     assert marker.read_text() == "started"
