@@ -32,6 +32,7 @@ from bapo_nemo.embedded.data import DataError, load_data, math_verify_reward
 from bapo_nemo.embedded.evaluation import encode_prompt
 from bapo_nemo.embedded.model import ModelLoadError
 from bapo_nemo.embedded.trainer import _tasks, train
+from tests.hang_guard import HANG_GUARD_S
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -403,7 +404,7 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
     ]
 
     def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
 
     done = run(*command, *one_step)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -482,7 +483,7 @@ def test_a_reward_of_ones_own_named_module_function_grades_the_run(tmp_path):
          "grpo.num_prompts_per_step=3", "partial_rollouts.token_budget=8",
          "partial_rollouts.max_response_tokens=16", "partial_rollouts.max_in_flight_groups=4",
          "grpo.max_num_steps=1", "eval.k=1", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     answers = {f"Question {r['prompt']}": r["answer"] for r in rows}

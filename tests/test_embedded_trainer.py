@@ -94,7 +94,7 @@ def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> 
     return proc
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if (out / "checkpoints" / f"step_{step}" / "COMPLETE").is_file():
@@ -129,7 +129,7 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
     assert any(n > 0 for lengths in in_flight.values() for n in lengths), "no partial response in flight"
 
     resumed = _launch(config, out)
-    stdout, stderr = resumed.communicate(timeout=300)
+    stdout, stderr = resumed.communicate(timeout=HANG_GUARD_S)
     assert resumed.returncode == 0, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
     assert summary["step"] == 16
@@ -234,7 +234,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
     assert client.get_run(run_id).info.status == "KILLED"
 
     rerun = _launch(config, out, "warmup.steps=2", "grpo.max_num_steps=1")
-    stdout, stderr = rerun.communicate(timeout=300)
+    stdout, stderr = rerun.communicate(timeout=HANG_GUARD_S)
     assert rerun.returncode == 0, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
     assert summary["mlflow_run_id"] == run_id and summary["step"] == 1
@@ -303,7 +303,7 @@ def test_rl_raises_held_out_accuracy(tmp_path):
         runs[seed] = _launch(config, tmp_path / f"seed{seed}" / "run")
     gains = []
     for seed, proc in runs.items():
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 0, stderr[-3000:]
         summary = json.loads(stdout[stdout.index("{") :])
         assert summary["step"] == 20
@@ -379,7 +379,7 @@ def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_
     assert frac_reward_zero_std([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]) == pytest.approx(2 / 3)
 
 
-def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """`bapo-nemo ARGS...` as a user types it, in `cwd`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "bapo_nemo.cli", *args], cwd=cwd, capture_output=True, text=True,

@@ -21,6 +21,7 @@ from bapo_nemo.cli import main as cli_main
 from bapo_nemo.export import megatron, megatron_python
 from bapo_nemo.export.checkpoint import resolve_checkpoint
 from bapo_nemo.export.parity import read_reference_logprobs, write_reference_logprobs
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,7 +166,7 @@ def test_export_of_a_nemo_rl_checkpoint_reruns_in_the_megatron_worker_venv(tmp_p
     rel_step = os.path.relpath(step, tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "bapo_nemo.cli", "export", rel_step, "--out", "hf", "--force"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )
     assert f"exporting with {worker}" in result.stdout
     argv = log.read_text().splitlines()

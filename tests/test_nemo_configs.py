@@ -15,6 +15,7 @@ import pytest
 from bapo_nemo.nemo.driver import DriverConfigError, preflight, raise_on_errors
 from bapo_nemo.plan.config_io import load_nemo_config
 from bapo_nemo.plan.schema import known_keys
+from tests.hang_guard import HANG_GUARD_S
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 OURS = ["bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"]
@@ -164,7 +165,7 @@ def test_master_config_validates():
         [sys.executable, "-c", _MASTER_CONFIG_SCRIPT, *(str(CONFIGS / n) for n in OURS)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]

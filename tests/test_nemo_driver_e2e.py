@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from bapo_nemo.embedded.tokenizer import build_tokenizer
+from tests.hang_guard import HANG_GUARD_S
 from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
 
@@ -562,7 +563,7 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     # bapo-nemo export accepts the checkpoint's layout and says what it needs that CPU cannot give.
     out = subprocess.run(
         [sys.executable, "-m", "bapo_nemo.cli", "export", str(step_dir), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )
     assert out.returncode == 2, out.stderr
     assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr

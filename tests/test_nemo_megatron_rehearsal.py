@@ -35,6 +35,7 @@ import pytest
 import torch
 import yaml
 
+from tests.hang_guard import HANG_GUARD_S
 from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
 
@@ -852,7 +853,7 @@ def harness_records(tmp_path_factory):
             "scenarios": scenarios, "gbs": HARNESS_BATCH, "world": TP * CP * DP}
     (root / "spec.json").write_text(json.dumps(spec))
     done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_harness", str(root / "spec.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {s: policy_records(root / "out" / s) for s in scenarios}, weights, config
 

@@ -14,6 +14,7 @@ import torch
 
 from bapo_nemo.nemo.packing import PackedWidthGuard, fp8_packed_multiple, fused_loss_width, pad_sequence_dim
 from bapo_nemo.plan.config_io import load_nemo_config
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -98,7 +99,7 @@ def test_nemo_rls_fused_loss_input_fails_on_the_32b_shapes_unless_the_batch_is_w
     policy = load_nemo_config(REPO / "configs" / "bapo_32b.yaml")["policy"]
     done = subprocess.run(
         [sys.executable, "-c", _PACK, json.dumps(policy), str(fused_loss_width(policy))],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

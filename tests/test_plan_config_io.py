@@ -36,7 +36,7 @@ def omegaconf_24_wheel(tmp_path_factory) -> Path:
     into = tmp_path_factory.mktemp("omegaconf-2.4")  # pip's own cache makes a second download local
     got = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(into),
-         OMEGACONF_24], capture_output=True, text=True, timeout=300, check=False,
+         OMEGACONF_24], capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
     )
     wheels = sorted(into.glob("omegaconf-2.4.0-*.whl"))
     if not wheels:

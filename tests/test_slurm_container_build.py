@@ -65,7 +65,7 @@ def run_install(tmp_path: Path, strict: bool, with_actor: bool = True) -> subpro
     }
     env.pop("PYTHONPATH", None)
     return subprocess.run(
-        ["bash", str(INSTALL)], env=env, capture_output=True, text=True, timeout=300, check=False
+        ["bash", str(INSTALL)], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
     )
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = {
@@ -49,7 +51,7 @@ def _cli_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
-def bapo_nemo(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def bapo_nemo(*args: str, cwd: Path, timeout: float = HANG_GUARD_S, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bapo_nemo.cli", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, env=_cli_env(env),
