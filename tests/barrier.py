@@ -46,8 +46,14 @@ class Barrier:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
 
-    def command(self, target: str, *args: str) -> list[str]:
-        return [sys.executable, str(Path(__file__).resolve()), target, str(self.directory), *args]
+    def start(self, target: str, *args: str, cwd: Path, env: dict):
+        """`bapo-nemo ARGS` in a process of its own (tests/cli_process.py) with `target` waiting here."""
+        from tests import cli_process
+
+        return cli_process.start(*args, cwd=cwd, env=env,
+                                 before_main=functools.partial(install, target, self.directory),
+                                 exec_command=[sys.executable, str(Path(__file__).resolve()), target,
+                                               str(self.directory)])
 
     def arrived(self) -> set[int]:
         return {int(p.name.split("-")[1]) for p in self.directory.glob("arrived-*")}

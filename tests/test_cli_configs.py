@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from bapo_nemo.config_kind import config_kind
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if argv[:2] == ("-m", "bapo_nemo.cli"):
+        return cli_process.run(*argv[2:], cwd=cwd, env=env, timeout=HANG_GUARD_S)
     return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S,
                           check=False, env=env)
 

@@ -13,6 +13,7 @@ import yaml
 
 from bapo_nemo.algorithm import search_clip_bounds
 from bapo_nemo.embedded.config import RunConfigError, config_differences, load_config, validate_config
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,12 +242,9 @@ train: {max_steps: 5, updates_per_batch: 2}
 def test_a_config_with_the_old_names_is_refused_with_each_new_name(tmp_path):
     """As a user runs it: `bapo-nemo train old.yaml` exits 2 with one line per old key naming its new key,
     before any training; an old override key is refused the same way."""
-    import subprocess
-    import sys
 
     (tmp_path / "old.yaml").write_text(OLD_STYLE)
-    run = subprocess.run([sys.executable, "-m", "bapo_nemo.cli", "train", "old.yaml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    run = cli_process.run("train", "old.yaml", cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)
     assert run.returncode == 2 and not (tmp_path / "runs").exists()
     lines = run.stderr.splitlines()
     for old, new in (("seed", "grpo.seed"), ("rollout.group_size", "grpo.num_generations_per_prompt"),

@@ -32,6 +32,7 @@ from bapo_nemo.embedded.data import DataError, load_data, math_verify_reward
 from bapo_nemo.embedded.evaluation import encode_prompt
 from bapo_nemo.embedded.model import ModelLoadError
 from bapo_nemo.embedded.trainer import _tasks, train
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 CHAT_TEMPLATE = (
@@ -467,23 +468,21 @@ def test_a_reward_of_ones_own_named_module_function_grades_the_run(tmp_path):
     starts it, on a dataset with TRL's `prompt` column and no column setting. The function is called as TRL
     calls reward_funcs (prompts, completions, the answer column by name, one completion per call), and the
     step's reward/mean is the mean of what it returned for the step's groups."""
-    import subprocess
-    import sys
 
     model_dir = save_eos_model(tmp_path)
     rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in (1, 7, 40, 95) for b in (2, 5)]
     (tmp_path / "trl_style.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-m", "bapo_nemo.cli", "train", str(repo / "configs" / "own_model.yaml"),
+    done = cli_process.run(
+        "train", str(repo / "configs" / "own_model.yaml"),
          f"policy.model_name={model_dir}", "data.train.data_path=trl_style.jsonl",
          "data.reward=my_rewards:digits", "data.prompt_template=Question {prompt}", "runtime.device=cpu",
          "policy.precision=float32", "data.eval_size=2", "grpo.num_generations_per_prompt=2",
          "grpo.num_prompts_per_step=3", "partial_rollouts.token_budget=8",
          "partial_rollouts.max_response_tokens=16", "partial_rollouts.max_in_flight_groups=4",
-         "grpo.max_num_steps=1", "eval.k=1", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+         "grpo.max_num_steps=1", "eval.k=1", "--no-progress",
+        cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     answers = {f"Question {r['prompt']}": r["answer"] for r in rows}

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import yaml
 from bapo_nemo.embedded.checkpoint import complete_checkpoints
 from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.trainer import ResumeError, train
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 TINY = {
@@ -55,7 +55,7 @@ def _write_config(tmp_path: Path, data: dict = TINY) -> Path:
     return path
 
 
-_LAUNCHED: list[subprocess.Popen] = []
+_LAUNCHED: list[cli_process.CliProcess | subprocess.Popen] = []
 
 
 @pytest.fixture(autouse=True)
@@ -70,26 +70,10 @@ def _no_trainer_outlives_its_test():
             proc.wait(timeout=30)
 
 
-def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> subprocess.Popen:
+def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> cli_process.CliProcess | subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bapo_nemo.cli",
-            "train",
-            str(config),
-            "--output-dir",
-            str(out),
-            "--resume",
-            *(["--json"] if json_summary else []),
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = cli_process.start("train", str(config), "--output-dir", str(out), "--resume",
+                             *(["--json"] if json_summary else []), *extra, cwd=Path.cwd(), env=env)
     _LAUNCHED.append(proc)
     return proc
 
@@ -382,8 +366,7 @@ def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_
 def _cli(*args: str, cwd: Path, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """`bapo-nemo ARGS...` as a user types it, in `cwd`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "bapo_nemo.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, check=False, env=env)
+    return cli_process.run(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_to_run_next(tmp_path):

@@ -10,14 +10,13 @@ the stand-ins are put in place by replacing `nemo_rl.algorithms.grpo.Policy` / `
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bapo_nemo.embedded.tokenizer import build_tokenizer
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 from tests.nemo_tiny_config import data_env_logger
 from tests.ray_head import private_ray_head
@@ -561,10 +560,8 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
         assert torch.allclose(torch.tensor(row), want, atol=1e-5)
 
     # bapo-nemo export accepts the checkpoint's layout and says what it needs that CPU cannot give.
-    out = subprocess.run(
-        [sys.executable, "-m", "bapo_nemo.cli", "export", str(step_dir), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
-    )
+    out = cli_process.run("export", str(step_dir), "--out", str(tmp_path / "hf"), cwd=Path.cwd(),
+                          env=cli_process.cli_env(), timeout=HANG_GUARD_S)
     assert out.returncode == 2, out.stderr
     assert "Megatron-Bridge" in out.stderr and "nvcr.io/nvidia/nemo-rl:v0.7.0" in out.stderr, out.stderr
 

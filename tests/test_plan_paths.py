@@ -5,14 +5,13 @@ one right after `init_ray()`), absolute ones as they are."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from nemo_rl_source import run_with_nemo_rl
 
 from bapo_nemo.plan.checks import NEMO_RL_IMAGE_SOURCE, check_config, data_files
 from bapo_nemo.plan.config_io import load_nemo_config
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,11 +87,9 @@ def test_bapo_nemo_check_takes_the_job_working_directory(tmp_path):
     (tmp_path / "prompts" / "cot.txt").write_text("{}")
 
     def check(*extra):
-        result = subprocess.run(
-            [sys.executable, "-m", "bapo_nemo.cli", "check", str(CONFIGS / "bapo_7b.yaml"),
-             "data.validation.0.prompt_file=prompts/cot.txt", "--nodes", "1", "--gpus-per-node", "8",
-             "--json", *extra],
-            cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+        result = cli_process.run(
+            "check", str(CONFIGS / "bapo_7b.yaml"), "data.validation.0.prompt_file=prompts/cot.txt", "--nodes", "1",
+            "--gpus-per-node", "8", "--json", *extra, cwd=REPO, env=cli_process.cli_env(), timeout=HANG_GUARD_S,
         )
         report = json.loads(result.stdout)
         return [f for f in report["findings"] if f["key"] == "data.validation[0].prompt_file"]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,20 +49,16 @@ TINY = {
 
 
 def _cli_env(extra: dict | None = None) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
+    return cli_process.cli_env(extra)
 
 
 def bapo_nemo(*args: str, cwd: Path, timeout: float = HANG_GUARD_S, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bapo_nemo.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, env=_cli_env(env),
-    )
+    return cli_process.run(*args, cwd=cwd, env=_cli_env(env), timeout=timeout)
 
 
-def start_training(cfg: Path, cwd: Path) -> subprocess.Popen:
+def start_training(cfg: Path, cwd: Path) -> cli_process.CliProcess | subprocess.Popen:
     """`bapo-nemo train CFG --output-dir out` in the background (the caller stops and reaps it)."""
-    return subprocess.Popen([sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out", "--json"],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env())
+    return cli_process.start("train", str(cfg), "--output-dir", "out", "--json", cwd=cwd, env=_cli_env())
 
 
 def wait_while_running(proc: subprocess.Popen, ready, what: str) -> None:
@@ -409,8 +406,10 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
     cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}))
     first = start_training(cfg, tmp_path)
     try:
-        lock = tmp_path / "out" / ".lock"
-        wait_while_running(first, lambda: lock.is_file() and lock.read_text().strip(), "it took the lock")
+        lock, metrics = tmp_path / "out" / ".lock", tmp_path / "out" / "metrics.jsonl"
+        # the first run is mid-training, with steps logged, when the second arrives
+        wait_while_running(first, lambda: metrics.is_file() and metrics.read_text().strip(), "its first step")
+        assert lock.read_text().strip()
         second = bapo_nemo("train", str(cfg), "--output-dir", "out", "--resume", cwd=tmp_path)
         assert first.poll() is None, "the first run ended before the second started: the test proves nothing"
         first.send_signal(signal.SIGTERM)
@@ -420,7 +419,7 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
             first.kill()
     assert first.returncode == 0, first_err[-3000:]
     assert second.returncode == 2 and f"PID {first.pid}" in second.stderr, second.stderr[-2000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(len(steps))), steps
     from mlflow.tracking import MlflowClient
 

@@ -26,8 +26,7 @@ def _until(condition: Callable[[], bool], what: str, procs: list[subprocess.Pope
 
 
 def _start(barrier: Barrier, target: str, *args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(barrier.command(target, *args), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_cli_env())
+    return barrier.start(target, *args, cwd=cwd, env=_cli_env())
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
