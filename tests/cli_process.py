@@ -11,8 +11,8 @@ directory, environment (`os.environ` is the one given), stdout and stderr (files
 stdin (/dev/null), default signal dispositions, `sys.argv`, `sys.path[0]` (the working directory, as `-m`
 puts it), `bapo_nemo.cli.main` with its exit status, and the interpreter's exit work (non-daemon threads
 joined, atexit handlers run). What it skips is only the interpreter start and those imports; the tests
-that start the CLI with exec (tests/test_cli_startup.py, the umask, terminal, Slurm and race tests) keep
-those covered. A call whose environment differs from the server's in a variable that modules read when
+that start the CLI with exec (tests/test_cli_startup.py, the umask, terminal and Slurm tests, the README
+command) keep those covered. A call whose environment differs from the server's in a variable that modules read when
 they are imported (HF_*, TORCH*, OMP_*, PYTHON*: anything not in `_READ_AT_CALL_TIME`) is run with exec,
 as is every call when BAPO_TEST_EXEC_CLI=1 (to rule this out when a test fails).
 """
@@ -47,8 +47,9 @@ _PRELOAD = [
     "bapo_nemo.plan.check_cli",
 ]
 # Variables that may differ from the server's: nothing reads them while being imported (mlflow reads its
-# MLFLOW_* when called; pytest sets PYTEST_CURRENT_TEST per test; the tokenizers library reads TOKENIZERS_PARALLELISM when it first runs; PYTHONPATH
-# only decides where modules come from, and the server's sys.path already holds this checkout).
+# MLFLOW_* when called; pytest sets PYTEST_CURRENT_TEST per test; the tokenizers library reads
+# TOKENIZERS_PARALLELISM when it first runs; PYTHONPATH only decides where modules come from, and the
+# server's sys.path already holds this checkout).
 _READ_AT_CALL_TIME = ("MLFLOW_", "SLURM_", "BAPO_", "PYTEST_")
 _READ_AT_CALL_TIME_EXACT = {"TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED", "PYTHONPATH", "PWD", "OLDPWD"}
 
@@ -171,8 +172,9 @@ def _child_main(args: list[str], cwd: str, env: dict, stdout_path: str, stderr_p
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
                                   line_buffering=True)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in a fresh interpreter
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
     import bapo_nemo.cli
 
     sys.argv = [bapo_nemo.cli.__file__, *args]

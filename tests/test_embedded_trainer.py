@@ -4,7 +4,6 @@ store, real HF checkpoints. Nothing is faked."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -71,9 +70,9 @@ def _no_trainer_outlives_its_test():
 
 
 def _launch(config: Path, out: Path, *extra: str, json_summary: bool = True) -> cli_process.CliProcess | subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = cli_process.start("train", str(config), "--output-dir", str(out), "--resume",
-                             *(["--json"] if json_summary else []), *extra, cwd=Path.cwd(), env=env)
+                             *(["--json"] if json_summary else []), *extra, cwd=Path.cwd(),
+                             env=cli_process.cli_env({"PYTHONUNBUFFERED": "1"}))
     _LAUNCHED.append(proc)
     return proc
 
@@ -365,8 +364,7 @@ def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_
 
 def _cli(*args: str, cwd: Path, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """`bapo-nemo ARGS...` as a user types it, in `cwd`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return cli_process.run(*args, cwd=cwd, env=env, timeout=timeout)
+    return cli_process.run(*args, cwd=cwd, env=cli_process.cli_env({"PYTHONUNBUFFERED": "1"}), timeout=timeout)
 
 
 def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_to_run_next(tmp_path):

@@ -48,17 +48,13 @@ TINY = {
 }
 
 
-def _cli_env(extra: dict | None = None) -> dict:
-    return cli_process.cli_env(extra)
-
-
 def bapo_nemo(*args: str, cwd: Path, timeout: float = HANG_GUARD_S, env: dict | None = None) -> subprocess.CompletedProcess:
-    return cli_process.run(*args, cwd=cwd, env=_cli_env(env), timeout=timeout)
+    return cli_process.run(*args, cwd=cwd, env=cli_process.cli_env(env), timeout=timeout)
 
 
 def start_training(cfg: Path, cwd: Path) -> cli_process.CliProcess | subprocess.Popen:
     """`bapo-nemo train CFG --output-dir out` in the background (the caller stops and reaps it)."""
-    return cli_process.start("train", str(cfg), "--output-dir", "out", "--json", cwd=cwd, env=_cli_env())
+    return cli_process.start("train", str(cfg), "--output-dir", "out", "--json", cwd=cwd, env=cli_process.cli_env())
 
 
 def wait_while_running(proc: subprocess.Popen, ready, what: str) -> None:

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from barrier import Barrier
-from test_user_errors import _cli_env, bapo_nemo, copy_run, with_, write_config
+from test_user_errors import bapo_nemo, copy_run, with_, write_config
+
+from tests import cli_process
 
 
 def _until(condition: Callable[[], bool], what: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -26,7 +28,7 @@ def _until(condition: Callable[[], bool], what: str, procs: list[subprocess.Pope
 
 
 def _start(barrier: Barrier, target: str, *args: str, cwd: Path) -> subprocess.Popen:
-    return barrier.start(target, *args, cwd=cwd, env=_cli_env())
+    return barrier.start(target, *args, cwd=cwd, env=cli_process.cli_env())
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:

@@ -18,7 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_user_errors import _cli_env, bapo_nemo, copy_run, tree_digest, with_, write_config
+from test_user_errors import bapo_nemo, copy_run, tree_digest, with_, write_config
+
+from tests import cli_process
 
 
 def _status(run: Path) -> str:
@@ -103,7 +105,7 @@ def mlflow_server(tmp_path):
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
              str(root / "artifacts")],
-            cwd=root, stdout=subprocess.DEVNULL, stderr=server_log, env=_cli_env(), start_new_session=True)
+            cwd=root, stdout=subprocess.DEVNULL, stderr=server_log, env=cli_process.cli_env(), start_new_session=True)
         try:
             deadline = time.time() + 180
             while True:  # serving: its first answer also creates its store
@@ -185,7 +187,7 @@ def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(t
     if pid == 0:  # the child: a session leader whose controlling terminal is the pty
         os.chdir(tmp_path)
         os.execve(sys.executable, [sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
-                  _cli_env())
+                  cli_process.cli_env())
     try:
         deadline = time.time() + 300
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
