@@ -35,6 +35,7 @@ and the state at init/save, written per rank under that directory for the tests 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from functools import partial
@@ -44,6 +45,14 @@ from typing import Any
 
 from tests.nemo_rl_shim import megatron_cpu
 
+# Start-up cost, not behaviour: the imports below leave ~700k long-lived objects. Python's cyclic
+# collector would walk them over and over while they pile up (~1.5 CPU-s of each worker's start-up), and
+# again in every gc.collect() upstream calls to free GPU memory (offload_before_refit,
+# prepare_for_lp_inference, prepare_for_training...: ~0.35 CPU-s each, several per step). So no
+# collection during the imports, and afterwards they go to the permanent generation (`gc.freeze`), which
+# collections skip; everything the worker creates from then on is collected as usual.
+_gc_was_enabled = gc.isenabled()
+gc.disable()
 megatron_cpu.install()  # before any NeMo-RL Megatron import
 
 import ray
@@ -72,6 +81,10 @@ from tests.nemo_vllm_standins import (
     load_weights,
     refit_mailbox,
 )
+
+gc.freeze()
+if _gc_was_enabled:
+    gc.enable()
 
 RAY_TIMEOUT_S = 300
 
