@@ -13,8 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.grid import Budget, Cell, Study, expand
+from experiments.report import update_doc
 from experiments.run import experiment_name, tracking_uri
-from experiments.summarize import mean_std, run_stats, summarize_study, update_doc, write_outputs
+from experiments.study_summary import mean_std, run_stats, summarize_study
+from experiments.summarize import write_outputs
 
 # 10 RL steps: the final window W is round(0.2 * 10) = 2 steps, so "start" = steps 1-2, "end" = steps 9-10.
 BUDGET = Budget(max_steps=10, eval_every=5, seeds=(0, 1))
@@ -177,7 +179,7 @@ def test_update_doc_replaces_only_its_block(tmp_path):
 
 
 def test_t_interval_hand_computed():
-    from experiments.summarize import t_interval
+    from experiments.study_summary import t_interval
 
     # mean 2, sample std 1, n 3: half-width t_{0.975, 2} * 1 / sqrt(3) = 4.303 / 1.732 = 2.4843
     mean, low, high, n = t_interval([1.0, 2.0, 3.0])
@@ -188,7 +190,7 @@ def test_t_interval_hand_computed():
     )
     assert math.isnan(t_interval([1.0])[1]) and t_interval([])[3] == 0
     scipy_stats = pytest.importorskip("scipy.stats")  # independent check of the quantile table
-    from experiments.summarize import _T975
+    from experiments.study_summary import _T975
 
     assert [round(float(scipy_stats.t.ppf(0.975, df)), 3) for df in range(1, 31)] == list(_T975)
 
@@ -227,7 +229,7 @@ def test_paired_differences_and_signature_from_mlflow_store(tmp_path):
     +0.2, -0.2, 0 -> mean 0, half-width 4.303 * 0.2 / sqrt(3) = 0.4969."""
     from mlflow.tracking import MlflowClient
 
-    from experiments.summarize import paired_differences
+    from experiments.study_summary import paired_differences
 
     root = tmp_path / "runs"
     (root / "full" / "pairs").mkdir(parents=True)
