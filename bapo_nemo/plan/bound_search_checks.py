@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bapo_nemo.plan.checks import ClusterPlan, Finding, bapo_enabled, value
+from bapo_nemo.plan.checks import ClusterPlan, bapo_enabled
 from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.search_stats import (
     DEFAULT_PASS_RATE_BETA,

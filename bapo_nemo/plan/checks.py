@@ -2,68 +2,20 @@
 misbehave) hours into a cluster job. Each finding names the key and the fix.
 
 A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's defaults from
-`examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS`).
+`examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS` in bapo_nemo/plan/findings.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.memory import GenerationSetup, Parallelism, TrainingSetup
 from bapo_nemo.plan.models import ModelShape
+from bapo_nemo.plan.partial_checks import partial_rollout_rules
 from bapo_nemo.plan.schema import unknown_keys
-
-Level = Literal["error", "warning"]
-
-# v0.7.0 defaults (examples/configs/grpo_math_1B.yaml) of the keys the checks read.
-NEMO_DEFAULTS: dict[str, Any] = {
-    "policy.megatron_cfg.enabled": False,
-    "policy.dtensor_cfg.enabled": True,
-    "policy.megatron_cfg.tensor_model_parallel_size": 1,
-    "policy.megatron_cfg.pipeline_model_parallel_size": 1,
-    "policy.megatron_cfg.context_parallel_size": 1,
-    "policy.megatron_cfg.sequence_parallel": False,
-    "policy.megatron_cfg.activation_checkpointing": False,
-    "policy.megatron_cfg.fp8_cfg.enabled": False,
-    "policy.megatron_cfg.fp8_cfg.fp8_recipe": "blockwise",
-    "policy.megatron_cfg.fp8_cfg.fp8_param": False,
-    "policy.megatron_cfg.optimizer.use_distributed_optimizer": True,
-    "policy.megatron_cfg.optimizer.optimizer_cpu_offload": False,
-    "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": False,
-    "policy.dtensor_cfg.tensor_parallel_size": 1,
-    "policy.dtensor_cfg.context_parallel_size": 1,
-    "policy.sequence_packing.enabled": True,
-    "policy.sequence_packing.fuse_loss": False,
-    "policy.dynamic_batching.enabled": False,
-    "policy.train_global_batch_size": 512,
-    "policy.train_micro_batch_size": 4,
-    "policy.max_total_sequence_length": 512,
-    "policy.generation.colocated.enabled": True,
-    "policy.generation.vllm_cfg.gpu_memory_utilization": 0.6,
-    "policy.generation.vllm_cfg.tensor_parallel_size": 1,
-    "policy.generation.vllm_cfg.pipeline_parallel_size": 1,
-    "policy.generation.vllm_cfg.precision": "bfloat16",
-    "policy.generation.vllm_cfg.async_engine": False,
-    "grpo.num_prompts_per_step": 32,
-    "grpo.num_generations_per_prompt": 16,
-    "grpo.async_grpo.enabled": False,
-    "loss_fn.use_importance_sampling_correction": False,
-    "loss_fn.force_on_policy_ratio": False,
-    "cluster.gpus_per_node": 1,
-    "cluster.num_nodes": 1,
-    "checkpointing.enabled": True,
-    "checkpointing.model_save_format": "safetensors",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: Level
-    key: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -74,10 +26,6 @@ class ClusterPlan:
     parallel: Parallelism
     training: TrainingSetup
     generation: GenerationSetup
-
-
-def value(config: dict, key: str) -> Any:
-    return get(config, key, NEMO_DEFAULTS.get(key))
 
 
 def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterPlan | None, list[Finding]]:
@@ -233,8 +181,6 @@ def check_config(
 ) -> list[Finding]:
     """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip).
     `workdir`: the directory the job will run in (relative paths resolve there); default: this one."""
-    from bapo_nemo.plan.partial_checks import partial_rollout_rules  # it reads this module's Finding
-
     f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
     f += _bapo_block(config)
     f += partial_rollout_rules(config)
@@ -537,7 +483,9 @@ def _checkpoint_rules(config: dict) -> list[Finding]:
     if not bool(value(config, "checkpointing.enabled")):
         return []
     save_format = value(config, "checkpointing.model_save_format")
-    dtensor_v2 = bool(value(config, "policy.dtensor_cfg.enabled")) and bool(get(config, "policy.dtensor_cfg._v2"))
+    dtensor_v2 = bool(value(config, "policy.dtensor_cfg.enabled")) and bool(
+        get(config, "policy.dtensor_cfg._v2")
+    )
     if save_format is None or dtensor_v2:
         return []
     return [

@@ -16,9 +16,9 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from bapo_nemo.plan.checks import Finding
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import DEFAULT_MAX_NUM_SEQS, engine_for
+from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.generation import (
     RolloutShape,
     StepStats,

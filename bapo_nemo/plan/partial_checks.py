@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from bapo_nemo.plan.checks import Finding, value
 from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.rollout.config import (
     PartialRolloutConfig,
     PartialRolloutConfigError,

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bapo_nemo.plan.checks import ClusterPlan, Finding
+from bapo_nemo.plan.checks import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import GenerationModelError
+from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.generation import RolloutShape, StepStats, response_moments
 from bapo_nemo.plan.generation_check import (
     DRIVER_BYTES_PER_TOKEN,
