@@ -1,8 +1,8 @@
-"""The NeMo-RL v0.7.0 partial-rollout hook.
+"""The NeMo-RL v0.7.0 partial-rollout hook (bapo_nemo.nemo.partial_rollout).
 
-CPU tests cover the glue on plain dicts/tensors shaped exactly like v0.7.0's structures at the boundary
-(`GenerationDatumSpec`, `GenerationOutputSpec`, rl_collate_fn rows after `repeat_interleave`, message
-logs). Tests marked `nemo_rl` run the hook through the real `nemo_rl.algorithms.grpo` module (patched
+CPU tests drive the hook on plain dicts/tensors shaped exactly like v0.7.0's structures at the boundary
+(tests/nemo_rollout_pieces.py; the glue below it is tested in tests/test_nemo_segment_io.py). Tests marked
+`nemo_rl` run the hook through the real `nemo_rl.algorithms.grpo` module (patched
 `run_multi_turn_rollout`, real `calculate_rewards` with a Ray actor environment, real `BatchedDataDict`,
 `CheckpointManager`, loss-mask and baseline functions) inside nvcr.io/nvidia/nemo-rl:v0.7.0. In both, the
 generation backend is a fake at the vLLM boundary (no GPU here): `ToyGenerationBackend` answers
@@ -14,264 +14,26 @@ from __future__ import annotations
 
 import json
 import math
-from copy import deepcopy
 
 import pytest
 import torch
 from test_rollout_generators import ToyPolicy
 
 from bapo_nemo.nemo.partial_rollout import STATE_FILE, PartialRolloutHook, install_partial_rollouts
-from bapo_nemo.nemo.segment_io import (
-    PartialRolloutSetupError,
-    ReplayGeneration,
-    check_prompt_blocks,
-    chunks_from_generation_outputs,
-    decode_rows,
-    encode_row,
-    exclude_stale_prefix,
-    generation_inputs,
-)
-from bapo_nemo.rollout import PartialRolloutConfig, Rollout
+from bapo_nemo.nemo.segment_io import PartialRolloutSetupError, check_prompt_blocks
+from bapo_nemo.rollout import PartialRolloutConfig
 from bapo_nemo.rollout.config import check_partial_rollout_config
-
-PAD = 99
-EOS = 0
-
-
-# ---- boundary pieces shaped after v0.7.0 ----------------------------------------------------------------
-class ToyGenerationBackend:
-    """Fake vLLM sync generation (the GPU boundary): same inputs/outputs as VllmGeneration.generate."""
-
-    def __init__(self, policy: ToyPolicy, max_new_tokens: int, pad_token_id: int = PAD, wrap=dict):
-        self.policy, self.max_new_tokens, self.pad, self.wrap = policy, max_new_tokens, pad_token_id, wrap
-        self.calls: list[list[list[int]]] = []
-
-    def generate(self, data, greedy: bool = False):
-        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-        contexts = [input_ids[i, : int(n)].tolist() for i, n in enumerate(input_lengths)]
-        self.calls.append(contexts)
-        chunks = self.policy(contexts, self.max_new_tokens)
-        width = input_ids.shape[1] + self.max_new_tokens
-        output_ids = torch.full((len(contexts), width), self.pad, dtype=torch.long)
-        logprobs = torch.zeros((len(contexts), width))
-        for i, (ctx, ch) in enumerate(zip(contexts, chunks)):
-            output_ids[i, : len(ctx)] = torch.tensor(ctx)
-            output_ids[i, len(ctx) : len(ctx) + len(ch.token_ids)] = torch.tensor(
-                ch.token_ids, dtype=torch.long
-            )
-            logprobs[i, len(ctx) : len(ctx) + len(ch.token_ids)] = torch.tensor(ch.logprobs)
-        return self.wrap(
-            {
-                "output_ids": output_ids,
-                "logprobs": logprobs,
-                "generation_lengths": torch.tensor([len(c.token_ids) for c in chunks]),
-                "unpadded_sequence_lengths": torch.tensor(
-                    [len(x) + len(c.token_ids) for x, c in zip(contexts, chunks)]
-                ),
-                "truncated": torch.tensor([not c.finished for c in chunks]),
-            }
-        )
-
-
-def _datum(idx: int, prompt: list[int]) -> dict:
-    """One dataset row as v0.7.0's math data processor builds it (DatumSpec)."""
-    return {
-        "message_log": [
-            {"role": "system", "content": "sys", "token_ids": torch.tensor(prompt[:1])},
-            {"role": "user", "content": f"q{idx}", "token_ids": torch.tensor(prompt[1:])},
-        ],
-        "length": len(prompt),
-        "extra_env_info": {"ground_truth": str(idx)},
-        "loss_multiplier": 1.0,
-        "idx": idx,
-        "task_name": "math",
-        "stop_strings": None,
-    }
-
-
-def _collate(data: list[dict]) -> dict:
-    """Columns as v0.7.0 `rl_collate_fn` returns them."""
-    length = torch.tensor([d["length"] for d in data])
-    return {
-        "message_log": [d["message_log"] for d in data],
-        "length": length,
-        "loss_multiplier": torch.tensor([d["loss_multiplier"] for d in data]),
-        "extra_env_info": [d["extra_env_info"] for d in data],
-        "task_name": [d["task_name"] for d in data],
-        "idx": [d["idx"] for d in data],
-        "batch_max_length": torch.ones_like(length) * length.max(),
-        "stop_strings": [d["stop_strings"] for d in data],
-    }
-
-
-def _repeat_interleave(batch: dict, g: int) -> dict:
-    """v0.7.0 BatchedDataDict.repeat_interleave on plain columns (list items deep-copied)."""
-    return {
-        k: v.repeat_interleave(g, dim=0)
-        if isinstance(v, torch.Tensor)
-        else [deepcopy(x) for x in v for _ in range(g)]
-        for k, v in batch.items()
-    }
-
-
-def _grpo_loss_masks(message_log: list[dict]) -> list[int]:
-    """v0.7.0 add_grpo_token_loss_masks_and_generation_logprobs, flattened: 1 for generated assistant
-    tokens (messages carrying generation_logprobs), else 0."""
-    mask = []
-    for m in message_log:
-        on = m["role"] == "assistant" and "generation_logprobs" in m
-        mask += [int(on)] * len(m["token_ids"])
-    return mask
-
-
-def _standin_single_turn_rollout(
-    policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns=1, greedy=False
-):
-    """CPU stand-in for v0.7.0 run_multi_turn_rollout with one turn (NeMo-RL does not import on this
-    Python): flat prompts -> generate -> assistant message = output_ids[i, in:total] with
-    generation_logprobs -> reward from task_to_env -> total_reward, truncated. The real function runs in
-    the nemo_rl-marked tests below."""
-    logs = input_batch["message_log"]
-    contexts = [[int(t) for m in log for t in m["token_ids"].tolist()] for log in logs]
-    input_ids, input_lengths = generation_inputs(contexts, tokenizer.pad_token_id)
-    out = policy_generation.generate({"input_ids": input_ids, "input_lengths": input_lengths}, greedy=greedy)
-    for i, log in enumerate(logs):
-        n, total = int(input_lengths[i]), int(out["unpadded_sequence_lengths"][i])
-        log.append(
-            {
-                "role": "assistant",
-                "content": " ".join(map(str, out["output_ids"][i, n:total].tolist())),
-                "token_ids": out["output_ids"][i, n:total],
-                "generation_logprobs": out["logprobs"][i, n:total],
-            }
-        )
-    batch = dict(input_batch)
-    batch["total_reward"] = torch.tensor([task_to_env(log) for log in logs], dtype=torch.float32)
-    batch["truncated"] = out["truncated"].clone()
-    return batch, {"mean_gen_tokens_per_sample": float(out["generation_lengths"].float().mean())}
-
-
-class _Tok:
-    pad_token_id = PAD
-
-
-# ---- glue on v0.7.0-shaped data (CPU) ------------------------------------------------------------------
-def test_rows_round_trip_through_json_with_their_dtypes():
-    batch = _repeat_interleave(_collate([_datum(0, [5, 6, 7]), _datum(1, [5, 8])]), 2)
-    rows = [json.loads(json.dumps(encode_row(batch, i))) for i in range(4)]
-    back = decode_rows(rows)
-    assert set(back) == set(batch)
-    for key in ("length", "loss_multiplier", "batch_max_length"):
-        assert torch.equal(back[key], batch[key]) and back[key].dtype == batch[key].dtype
-    assert back["extra_env_info"] == batch["extra_env_info"] and back["idx"] == [0, 0, 1, 1]
-    for got, want in zip(back["message_log"], batch["message_log"]):
-        assert [m["role"] for m in got] == [m["role"] for m in want]
-        assert all(torch.equal(a["token_ids"], b["token_ids"]) for a, b in zip(got, want))
-    bad = dict(batch, images=[object()] * 4)
-    with pytest.raises(PartialRolloutSetupError, match="batch field images holds a object"):
-        encode_row(bad, 0)
-
-
-def test_prompt_blocks_follow_repeat_interleave():
-    batch = _repeat_interleave(_collate([_datum(0, [5, 6]), _datum(1, [5, 8])]), 3)
-    assert check_prompt_blocks(batch, 3) == 2
-    with pytest.raises(ValueError, match="not a multiple of grpo.num_generations_per_prompt=4"):
-        check_prompt_blocks(batch, 4)
-    with pytest.raises(ValueError, match="rows 0 and 1 .* different prompts"):
-        check_prompt_blocks(_collate([_datum(0, [5, 6]), _datum(1, [5, 8])]), 2)
-
-
-def test_generation_tensors_match_the_v070_spec_example():
-    # GenerationDatumSpec: right-padded input_ids, input_lengths
-    input_ids, lengths = generation_inputs([[101, 2054, 2003], [101, 2054, 2003, 2001, 1996]], pad_token_id=0)
-    assert input_ids.tolist() == [[101, 2054, 2003, 0, 0], [101, 2054, 2003, 2001, 1996]]
-    assert lengths.tolist() == [3, 5]
-    # GenerationOutputSpec docstring example (interfaces.py): input 3 -> 4 generated; input 5 -> 2, truncated
-    outputs = {
-        "output_ids": torch.tensor(
-            [[101, 2054, 2003, 2023, 2003, 1037, 2200, 0], [101, 2054, 2003, 2001, 1996, 3014, 2005, 0]]
-        ),
-        "logprobs": torch.tensor(
-            [[0.0, 0.0, 0.0, -1.2, -0.8, -2.1, -1.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, -0.9, -1.7, 0.0]]
-        ),
-        "generation_lengths": torch.tensor([4, 2]),
-        "unpadded_sequence_lengths": torch.tensor([7, 7]),
-        "truncated": torch.tensor([False, True]),
-    }
-    a, b = chunks_from_generation_outputs(outputs, [3, 5], max_new_tokens=4)
-    assert a.token_ids == [2023, 2003, 1037, 2200] and a.finished
-    assert a.logprobs == pytest.approx([-1.2, -0.8, -2.1, -1.5])
-    assert b.token_ids == [3014, 2005] and not b.finished
-    # a backend that over-generates is cut to the requested size (and so not finished)
-    (cut,) = chunks_from_generation_outputs({k: v[:1] for k, v in outputs.items()}, [3], max_new_tokens=3)
-    assert cut.token_ids == [2023, 2003, 1037] and not cut.finished
-    # Megatron's outputs carry no `truncated`: a row that filled the budget is unfinished unless it ended
-    # on a stop token (here 2200 plays EOS)
-    megatron = {k: v[:1] for k, v in outputs.items() if k != "truncated"}
-    (full,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=4)
-    assert not full.finished
-    (eos,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=4, stop_token_ids=(2200,))
-    assert eos.finished
-    (short,) = chunks_from_generation_outputs(megatron, [3], max_new_tokens=5)
-    assert short.finished
-
-
-def _rollout(prompt, response, logprobs, versions, truncated=False) -> Rollout:
-    return Rollout(
-        prompt_id="p",
-        prompt_token_ids=prompt,
-        response_token_ids=response,
-        behavior_logprobs=logprobs,
-        token_versions=versions,
-        loss_weights=[1.0] * len(response),
-        num_segments=len(set(versions)),
-        segment_lengths=[],
-        meta={"truncated": truncated},
-    )
-
-
-def test_replay_outputs_slice_back_to_the_segments():
-    prompts = [[1, 2, 3], [4, 5]]
-    input_ids, lengths = generation_inputs(prompts, PAD)
-    rollouts = [
-        _rollout(prompts[0], [7, 8], [-0.5, -0.25], [0, 1]),
-        _rollout(prompts[1], [9, 10, 11, 0], [-1.0, -0.5, -0.125, -2.0], [1, 1, 2, 2], truncated=True),
-    ]
-    out = ReplayGeneration(rollouts, PAD).generate({"input_ids": input_ids, "input_lengths": lengths})
-    # output_ids: prompt then response, right-padded to max(3+2, 2+4) = 6
-    assert out["output_ids"].tolist() == [[1, 2, 3, 7, 8, PAD], [4, 5, 9, 10, 11, 0]]
-    assert out["unpadded_sequence_lengths"].tolist() == [5, 6]
-    assert out["generation_lengths"].tolist() == [2, 4]
-    assert out["truncated"].tolist() == [False, True]
-    # v0.7.0 generate_responses slices output_ids/logprobs[i, input_len:unpadded_len]
-    assert out["logprobs"][1, 2:6].tolist() == [-1.0, -0.5, -0.125, -2.0]
-    assert out["logprobs"][0, :3].tolist() == [0.0, 0.0, 0.0]
-    with pytest.raises(RuntimeError, match="replay row 0"):
-        ReplayGeneration(rollouts[::-1], PAD).generate({"input_ids": input_ids, "input_lengths": lengths})
-
-
-def test_exclude_splits_stale_tokens_out_of_the_loss_mask():
-    log = [
-        {"role": "user", "content": "q", "token_ids": torch.tensor([1, 2])},
-        {
-            "role": "assistant",
-            "content": "full answer",
-            "token_ids": torch.tensor([7, 8, 9, 10, 11]),
-            "generation_logprobs": torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5]),
-        },
-        {"role": "environment", "content": "ok", "token_ids": torch.tensor([3])},
-    ]
-    exclude_stale_prefix(log, assistant_index=1, num_stale=3)
-    assert [m["role"] for m in log] == ["user", "assistant", "assistant", "environment"]
-    assert log[1]["token_ids"].tolist() == [7, 8, 9] and "generation_logprobs" not in log[1]
-    assert log[2]["token_ids"].tolist() == [10, 11] and log[2][
-        "generation_logprobs"
-    ].tolist() == pytest.approx([-0.4, -0.5])
-    # environments joining the assistant contents still see the whole answer
-    assert "".join(m["content"] for m in log if m["role"] == "assistant") == "full answer"
-    # the same token sequence; the loss mask keeps only the 2 fresh tokens
-    assert [t for m in log for t in m["token_ids"].tolist()] == [1, 2, 7, 8, 9, 10, 11, 3]
-    assert _grpo_loss_masks(log) == [0, 0, 0, 0, 0, 1, 1, 0]
+from tests.nemo_rollout_pieces import (
+    EOS,
+    PAD,
+    PadOnlyTokenizer,
+    ToyGenerationBackend,
+    collate,
+    datum,
+    grpo_loss_masks,
+    repeat_interleave,
+    standin_single_turn_rollout,
+)
 
 
 def _master_config(**over) -> dict:
@@ -320,9 +82,7 @@ def test_install_sets_the_budget_and_uninstall_restores():
 
 def _batches(n: int, first: int = 0) -> list[dict]:
     """n dataloader batches of 2 prompts each (rl_collate_fn columns), prompt i = [5, i + 1]."""
-    return [
-        _collate([_datum(i, [5, i + 1]), _datum(i + 1, [5, i + 2])]) for i in range(first, first + 2 * n, 2)
-    ]
+    return [collate([datum(i, [5, i + 1]), datum(i + 1, [5, i + 2])]) for i in range(first, first + 2 * n, 2)]
 
 
 def _run_steps(hook, backend, loader, steps, reward=lambda log: float(len(log[-1]["token_ids"]) % 2)):
@@ -333,10 +93,10 @@ def _run_steps(hook, backend, loader, steps, reward=lambda log: float(len(log[-1
             break
         backend.policy.bind(hook.policy_version)
         final, metrics = hook.training_rollout(
-            _standin_single_turn_rollout,
+            standin_single_turn_rollout,
             backend,
-            _repeat_interleave(batch, 2),
-            _Tok(),
+            repeat_interleave(batch, 2),
+            PadOnlyTokenizer(),
             reward,
             max_seq_len=64,
             greedy=False,
@@ -411,7 +171,9 @@ def test_hook_deals_long_contexts_across_the_engines():
         for log in final["message_log"]:
             prompt = [t for m in log[:-1] for t in m["token_ids"].tolist()]
             tokens, logprobs = log[-1]["token_ids"].tolist(), log[-1]["generation_logprobs"].tolist()
-            assert logprobs == pytest.approx(_logprobs_from_segments(backend.policy, prompt, tokens), abs=1e-6)
+            assert logprobs == pytest.approx(
+                _logprobs_from_segments(backend.policy, prompt, tokens), abs=1e-6
+            )
 
 
 def _logprobs_from_segments(policy: ToyPolicy, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -440,7 +202,7 @@ def test_hook_exclude_masks_tokens_of_older_policies():
     masked_some = False
     for step, (final, metrics) in enumerate(results):
         for log in final["message_log"]:
-            mask = _grpo_loss_masks(log)
+            mask = grpo_loss_masks(log)
             generated = [m for m in log if m["role"] == "assistant"]
             total = sum(len(m["token_ids"]) for m in generated)
             trainable = sum(mask)
@@ -508,9 +270,15 @@ def test_validation_is_generated_to_completion():
         PartialRolloutConfig(token_budget=3), group_size=2, prompts_per_step=2, response_cap=10
     )
     backend = ToyGenerationBackend(ToyPolicy(seed=2, vocab_size=4, eos_logit_bias=-3.0), max_new_tokens=3)
-    batch = _collate([_datum(0, [5, 1]), _datum(1, [5, 2]), _datum(2, [5, 3])])
+    batch = collate([datum(0, [5, 1]), datum(1, [5, 2]), datum(2, [5, 3])])
     final, _ = hook.validation_rollout(
-        _standin_single_turn_rollout, backend, batch, _Tok(), lambda log: 0.0, max_seq_len=64, greedy=True
+        standin_single_turn_rollout,
+        backend,
+        batch,
+        PadOnlyTokenizer(),
+        lambda log: 0.0,
+        max_seq_len=64,
+        greedy=True,
     )
     lengths = [len(log[-1]["token_ids"]) for log in final["message_log"]]
     # each answer ends at EOS or at the 10-token cap, never at the 3-token segment budget
@@ -600,8 +368,7 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
         )
         # the real collate function; one extra batch is prefilled so responses carry over between steps
         raw_batches = [
-            rl_collate_fn([_datum(2 * k, [5, 2 * k + 1]), _datum(2 * k + 1, [5, 2 * k + 2])])
-            for k in range(5)
+            rl_collate_fn([datum(2 * k, [5, 2 * k + 1]), datum(2 * k + 1, [5, 2 * k + 2])]) for k in range(5)
         ]
         masked_some = False
         for step, raw in enumerate(hook.wrap_dataloader(raw_batches)):
@@ -713,7 +480,7 @@ def test_real_validate_generates_answers_to_completion(ray_cluster):
         backend = ToyGenerationBackend(
             ToyPolicy(seed=6, vocab_size=6, eos_logit_bias=-3.0), max_new_tokens=4, wrap=BatchedDataDict
         )
-        val_batch = rl_collate_fn([_datum(i, [5, i + 1]) for i in range(3)])
+        val_batch = rl_collate_fn([datum(i, [5, i + 1]) for i in range(3)])
         metrics, _ = grpo.validate(
             backend, [val_batch], _word_tokenizer(), {"math": ZeroEnv.remote()}, 0, master
         )
