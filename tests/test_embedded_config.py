@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from bapo_nemo.algorithm import search_clip_bounds
-from bapo_nemo.embedded.config import RunConfigError, config_differences, load_config, validate_config
+from bapo_nemo.embedded.config import RunConfigError, load_config, validate_config
+from bapo_nemo.embedded.resume_config import config_differences
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
@@ -105,7 +106,7 @@ def test_config_differences_ignore_only_harmless_keys():
 
 
 def test_resume_treats_a_key_added_since_the_checkpoint_as_its_default():
-    from bapo_nemo.embedded.config import RunConfig, config_differences
+    from bapo_nemo.embedded.config import RunConfig
 
     current = RunConfig().to_dict()
     saved = RunConfig().to_dict()

@@ -325,18 +325,6 @@ class RunConfig(_Section):
         return self.model_dump(mode="json")
 
 
-# Keys that may differ between a checkpoint and the resumed run: they change how long or how visibly the
-# run goes, not what it computes.
-RESUME_HARMLESS_KEYS = (
-    "grpo.max_num_steps",
-    "checkpointing.",
-    "grpo.val_period",
-    "logger.",
-    "tracking.",
-    "runtime.",
-)
-
-
 # ---- loading -------------------------------------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config (None: all defaults), apply `key.sub=value` overrides, validate."""
@@ -366,17 +354,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RunConfigError(wrong_tool)
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
     # required by its own schema (e.g. partial_rollouts.max_response_tokens alone).
-    data = _deep_merge(RunConfig().to_dict(), data)
+    data = deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
     return validate_config(data, where)
 
 
-def _deep_merge(base: dict, update: dict) -> dict:
+def deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -420,36 +408,3 @@ def apply_override(data: dict, item: str) -> None:
             node[p] = {}
         node = node[p]
     node[parts[-1]] = value
-
-
-# ---- comparing a checkpoint's config with this run's -----------------------------------------------------
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """Keys whose values differ (ignoring RESUME_HARMLESS_KEYS), as `key: checkpoint=X, now=Y`.
-
-    The checkpoint's config is first read through today's schema, so a key added since it was written
-    (absent there) compares as its default: a code update between two requeues does not block resume
-    unless the run sets that key to something else.
-    """
-    saved = config_keys.upgrade(saved)  # a checkpoint written before the keys took NeMo-RL's names
-    try:
-        saved = RunConfig.model_validate(_deep_merge(RunConfig().to_dict(), saved)).to_dict()
-    except ValidationError:
-        pass  # a key was removed since: compare as written, the message names it
-    a, b = flatten(saved), flatten(current)
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        if any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUME_HARMLESS_KEYS):
-            continue
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            diffs.append(f"{key}: checkpoint={a.get(key, '<absent>')!r}, now={b.get(key, '<absent>')!r}")
-    return diffs

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import RunConfig, config_differences
+from bapo_nemo.embedded.config import RunConfig
 from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, truncate_prompt, unrepresentable_text
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
 from bapo_nemo.embedded.model import (
@@ -48,6 +48,7 @@ from bapo_nemo.embedded.model import (
     load_pretrained_tokenizer,
     prepare_model,
 )
+from bapo_nemo.embedded.resume_config import config_differences
 from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
