@@ -22,11 +22,13 @@ RESUME_HARMLESS_KEYS = (
 )
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`, values as they are (tracking.redact.flatten turns them into
+    MLflow's cut-off strings, which could hide a difference)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
+            out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -44,7 +46,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
         saved = RunConfig.model_validate(deep_merge(RunConfig().to_dict(), saved)).to_dict()
     except ValidationError:
         pass  # a key was removed since: compare as written, the message names it
-    a, b = flatten(saved), flatten(current)
+    a, b = _flatten(saved), _flatten(current)
     diffs = []
     for key in sorted(set(a) | set(b)):
         if any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUME_HARMLESS_KEYS):
