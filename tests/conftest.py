@@ -96,9 +96,9 @@ XDIST_GROUPS = {
     "test_nemo_partial_rollout.py": "nemo-rl-in-process",
     "test_tracking_nemo_rl.py": "nemo-rl-in-process",
     "test_nemo_step_signal.py": "nemo-rl-in-process",
-    # The Megatron rehearsal does the same in a worker of its own, beside the group above (its Ray head is
-    # private too): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which would otherwise
-    # queue behind the whole group.
+    # The Megatron rehearsal in a worker of its own, beside the group above (its Ray head is private and
+    # its driver a subprocess): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which
+    # would otherwise queue behind the whole group.
     "test_nemo_megatron_rehearsal.py": "nemo-rl-megatron",
 }
 
@@ -170,6 +170,28 @@ def _environment_put_back():
     if os.environ != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_megatron_shim():
+    """tests/nemo_rl_shim/megatron_cpu.py patches torch for its whole process (CUDA calls on CPU) and serves
+    a stub `megatron.bridge`; it belongs in the processes that run NeMo-RL's Megatron worker code, never in
+    a pytest worker, where every later test would see it (it once changed the export tests' parity figures
+    and their Megatron-Bridge check). A test that installs it here fails, whichever way it got in (importing
+    tests/nemo_megatron_standins.py, or Ray loading a worker class from it in a driver)."""
+
+    def installed() -> bool:
+        shim = sys.modules.get("tests.nemo_rl_shim.megatron_cpu")
+        return shim is not None and shim._INSTALLED
+
+    before = installed()
+    yield
+    if installed() and not before:  # the test that installed it fails; later ones would only repeat it
+        pytest.fail(
+            "this test installed the CPU Megatron shim (tests/nemo_rl_shim/megatron_cpu.py) in the pytest "
+            "process; run the code that needs it in a subprocess (e.g. tests/nemo_megatron_rehearsal_run.py)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

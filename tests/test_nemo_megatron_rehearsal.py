@@ -12,8 +12,9 @@ Stand-ins, each at the boundary of what cannot run here (details in their module
   (tests/nemo_vllm_standins.py);
 - CUDA calls, Megatron-Bridge's few helpers, megatron-core 0.16.1's gaps (tests/nemo_rl_shim/megatron_cpu.py).
 
-One module-scoped run drives everything (two driver runs: SIGUSR1 during step 1 stops the first, the same
-command resumes for step 2); the workers record, per rank, what the loss saw and the reduced gradients,
+One module-scoped run drives everything (two driver runs in a process of their own,
+tests/nemo_megatron_rehearsal_run.py: SIGUSR1 during step 1 stops the first, the same command resumes for
+step 2); the workers record, per rank, what the loss saw and the reduced gradients,
 and the tests compare them with independent computations. The negative controls plant defects into the
 same worker code on 8 gloo ranks without Ray (tests/nemo_megatron_harness.py).
 """
@@ -22,13 +23,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,13 +34,13 @@ import yaml
 
 from tests.hang_guard import HANG_GUARD_S
 from tests.nemo_tiny_config import data_env_logger
-from tests.ray_head import private_ray_head
 
-# Runs in an xdist worker of its own (tests/conftest.py's "nemo-rl-megatron" group: Ray, MLflow's fluent
-# API and the driver's signal handlers in the test process; 17 Ray actors and ~9 GB at the peak, so never
-# beside a second copy). The module fixture's work is fixed (two driver runs, 32 Ray workers started) and
-# its wall time follows the machine's load; the limit here is for hangs only.
+# Runs in an xdist worker of its own (tests/conftest.py's "nemo-rl-megatron" group: 17 Ray actors and ~9 GB
+# at the peak, so never beside a second copy). The module fixture's work is fixed (two driver runs, 32 Ray
+# workers started) and its wall time follows the machine's load; the limits here are for hangs only, the
+# driver process's below pytest-timeout's so that a hang fails with the driver's log.
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.timeout(2700)]
+RUN_GUARD_S = 2400
 
 REPO = Path(__file__).resolve().parent.parent
 # bapo_32b.yaml's 64k variant: bapo_32b.yaml with every block it ships (Megatron, packing with fuse_loss,
@@ -52,8 +49,6 @@ REPO = Path(__file__).resolve().parent.parent
 PRESET = REPO / "configs" / "bapo_32b_64k.yaml"
 # The presets a cluster job runs: every NeMo-RL config under configs/ (the embedded ones have no policy:).
 KNOWN_PRESETS = {"bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b_partial.yaml"}
-POLICY_WORKER = "tests.nemo_megatron_standins.CPUMegatronPolicyWorker"
-GENERATION_WORKER = "tests.nemo_vllm_standins.CPUVllmGenerationWorker"
 
 # The sizes the rehearsal changes, and nothing else (see rehearsal_config): 8 logical GPUs as TP 2 x CP 2 x
 # DP 2; 8 prompts x 4 samples = 32 responses per step, trained as 4 optimizer steps of 8 (the preset's 4
@@ -267,85 +262,10 @@ def test_the_rehearsal_config_changes_only_sizes(tmp_path):
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
-@contextmanager
-def upstream_seams(record_dir: Path, driver_calls: dict):
-    """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
-    driver hands them:
-    - `Policy(worker_extension_cls_fqn=...)` (grpo.setup builds `Policy(...)`; the subclass adds the FQN);
-    - `VllmGeneration`'s worker class name (`resolve_generation_worker_cls`, its quantisation seam);
-    - both run in this interpreter (NeMo-RL's registry would send them to the GPU venvs);
-    - Megatron wants TORCH_CUDA_ARCH_LIST set (lm_policy.py); the workers record under `record_dir`.
-    `driver_calls` gets every batch the driver passes to Policy.train / Policy.get_logprobs, and the
-    Policy / VllmGeneration objects built (run_driver shuts them down before disconnecting from Ray, as a
-    driver process ending would through their __del__)."""
-    from nemo_rl.algorithms import grpo
-    from nemo_rl.distributed import ray_actor_environment_registry as registry
-    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
-    from nemo_rl.models.generation.vllm import vllm_generation
-    from nemo_rl.models.policy.lm_policy import Policy
-
-    from tests.nemo_vllm_standins import RECORD_DIR_ENV
-
-    original_train, original_logprobs = Policy.train, Policy.get_logprobs
-
-    def train(self, data, *args, **kwargs):
-        driver_calls["train"].append(data)
-        for hook in driver_calls["on_train"]:
-            hook()
-        return original_train(self, data, *args, **kwargs)
-
-    def get_logprobs(self, data, *args, **kwargs):
-        result = original_logprobs(self, data, *args, **kwargs)
-        driver_calls["get_logprobs"].append((data, result))
-        return result
-
-    class CPUWorkersPolicy(Policy):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, worker_extension_cls_fqn=POLICY_WORKER, **kwargs)
-            driver_calls["built"].append(self)
-
-    class RecordedVllmGeneration(vllm_generation.VllmGeneration):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            driver_calls["built"].append(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        # The driver patches these module names for its job; put them back after each run.
-        for name in ("run_multi_turn_rollout", "validate", "TimeoutChecker"):
-            mp.setattr(grpo, name, getattr(grpo, name))
-        mp.setattr(grpo, "Policy", CPUWorkersPolicy)
-        mp.setattr(grpo, "VllmGeneration", RecordedVllmGeneration)
-        mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: GENERATION_WORKER)
-        for fqn in (POLICY_WORKER, GENERATION_WORKER):
-            mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, fqn, PY_EXECUTABLES.SYSTEM)
-        mp.setattr(Policy, "train", train)
-        mp.setattr(Policy, "get_logprobs", get_logprobs)
-        mp.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-        mp.setenv(RECORD_DIR_ENV, str(record_dir))
-        mp.setenv("RAY_DEDUP_LOGS", "0")
-        yield
-
-
-def run_driver(config: Path, built: list) -> int:
-    """`python -m bapo_nemo.train --config CONFIG` in this process; its worker groups are shut down after
-    (upstream's Policy.__del__ would do it at interpreter exit, after Ray is gone)."""
-    import ray
-
-    from bapo_nemo.nemo.driver import main
-
-    try:
-        return main(["--config", str(config)])
-    finally:
-        while built:
-            built.pop().shutdown()
-        if ray.is_initialized():
-            ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """Both driver runs; returns where everything was recorded."""
-    from bapo_nemo.nemo import stop_signal
+    """Both driver runs (in a process of their own: tests/nemo_megatron_rehearsal_run.py says why);
+    returns where everything was recorded."""
     from tests.nemo_vllm_standins import write_answer_jsonl, write_rehearsal_model
 
     root = tmp_path_factory.mktemp("rehearsal")
@@ -355,36 +275,20 @@ def rehearsal(tmp_path_factory):
         "mlflow": f"sqlite:///{root / 'mlflow.db'}",
     }
     config, info = rehearsal_config(root, assets)
-    record = root / "record"
-    calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
-    stop_at = (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1  # the stop step's first train()
-    seen = []
-
-    def signal_during_stop_step():
-        seen.append(True)
-        if len(seen) == stop_at:
-            os.kill(os.getpid(), signal.SIGUSR1)
-
-    previous_handler = signal.getsignal(signal.SIGUSR1)
-    runs = []
-    with private_ray_head(num_cpus=24, num_gpus=TP * CP * DP), upstream_seams(record, calls):
-        calls["on_train"].append(signal_during_stop_step)
-        try:
-            started = time.time()
-            runs.append({"rc": run_driver(config, calls["built"]), "train_calls": len(calls["train"]),
-                         "logprob_calls": len(calls["get_logprobs"]), "seconds": time.time() - started})
-        finally:
-            stop_signal._requested.clear()
-            signal.signal(signal.SIGUSR1, previous_handler)
-        calls["on_train"].clear()
-        checkpoints_after_stop = sorted(p.name for p in (root / "checkpoints").glob("step_*"))
-        started = time.time()
-        runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
-    torch.save({"train": [dict(b) for b in calls["train"]],
-                "get_logprobs": [(dict(d), dict(r)) for d, r in calls["get_logprobs"]]}, root / "driver_calls.pt")
+    spec = {
+        "config": str(config), "record": str(root / "record"), "root": str(root),
+        "stop_at": (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1,  # the stop step's first train()
+        "num_gpus": TP * CP * DP,
+    }
+    (root / "spec.json").write_text(json.dumps(spec))
+    log = root / "driver.log"
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_rehearsal_run", str(root / "spec.json")],
+                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)
+    assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
+    summary = json.loads((root / "runs.json").read_text())
     (root / "rehearsal.json").write_text(json.dumps({
-        "runs": runs, "checkpoints_after_stop": checkpoints_after_stop, "info": info,
-        "config": str(config), "assets": {k: str(v) for k, v in assets.items()},
+        **summary, "info": info, "config": str(config), "assets": {k: str(v) for k, v in assets.items()},
     }))
     return load_rehearsal(root)
 

@@ -1,0 +1,137 @@
+"""The Megatron rehearsal's two driver runs, in a process of their own:
+`python -m tests.nemo_megatron_rehearsal_run SPEC.json` (tests/test_nemo_megatron_rehearsal.py's module
+fixture starts it and reads back what it writes).
+
+Why a process of its own: when a driver receives a worker's actor handle, Ray loads the actor's class in
+the driver, which imports its module, as it imports NeMo-RL's MegatronPolicyWorker module on a cluster.
+Here that module is tests/nemo_megatron_standins.py, which installs the CPU shim
+(tests/nemo_rl_shim/megatron_cpu.py: CUDA calls on CPU, stub `megatron.bridge`) for the whole process.
+In a pytest worker the shim then stayed for every later test that worker ran (the export tests failed
+with a stub AutoBridge and changed parity figures). tests/conftest.py fails any test that leaves the shim
+installed in a pytest process.
+
+SPEC.json: {"config", "record", "root", "stop_at", "num_gpus"}. Writes, under root: driver_calls.pt (every
+batch the driver handed Policy.train / Policy.get_logprobs, and the latter's results) and runs.json (each
+run's exit code, call counts and seconds, and the checkpoints the stopped run left).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ray_head import private_ray_head
+
+POLICY_WORKER = "tests.nemo_megatron_standins.CPUMegatronPolicyWorker"
+GENERATION_WORKER = "tests.nemo_vllm_standins.CPUVllmGenerationWorker"
+
+
+@contextmanager
+def upstream_seams(record_dir: Path, driver_calls: dict):
+    """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
+    driver hands them:
+    - `Policy(worker_extension_cls_fqn=...)` (grpo.setup builds `Policy(...)`; the subclass adds the FQN);
+    - `VllmGeneration`'s worker class name (`resolve_generation_worker_cls`, its quantisation seam);
+    - both run in this interpreter (NeMo-RL's registry would send them to the GPU venvs);
+    - Megatron wants TORCH_CUDA_ARCH_LIST set (lm_policy.py); the workers record under `record_dir`.
+    `driver_calls` gets every batch the driver passes to Policy.train / Policy.get_logprobs, and the
+    Policy / VllmGeneration objects built (run_driver shuts them down before disconnecting from Ray, as a
+    driver process ending would through their __del__)."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+    from nemo_rl.models.generation.vllm import vllm_generation
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    from tests.nemo_vllm_standins import RECORD_DIR_ENV
+
+    original_train, original_logprobs = Policy.train, Policy.get_logprobs
+
+    def train(self, data, *args, **kwargs):
+        driver_calls["train"].append(data)
+        for hook in driver_calls["on_train"]:
+            hook()
+        return original_train(self, data, *args, **kwargs)
+
+    def get_logprobs(self, data, *args, **kwargs):
+        result = original_logprobs(self, data, *args, **kwargs)
+        driver_calls["get_logprobs"].append((data, result))
+        return result
+
+    class CPUWorkersPolicy(Policy):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, worker_extension_cls_fqn=POLICY_WORKER, **kwargs)
+            driver_calls["built"].append(self)
+
+    class RecordedVllmGeneration(vllm_generation.VllmGeneration):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            driver_calls["built"].append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo, "Policy", CPUWorkersPolicy)
+        mp.setattr(grpo, "VllmGeneration", RecordedVllmGeneration)
+        mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: GENERATION_WORKER)
+        for fqn in (POLICY_WORKER, GENERATION_WORKER):
+            mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, fqn, PY_EXECUTABLES.SYSTEM)
+        mp.setattr(Policy, "train", train)
+        mp.setattr(Policy, "get_logprobs", get_logprobs)
+        mp.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+        mp.setenv(RECORD_DIR_ENV, str(record_dir))
+        mp.setenv("RAY_DEDUP_LOGS", "0")
+        yield
+
+
+def run_driver(config: Path, built: list) -> int:
+    """`python -m bapo_nemo.train --config CONFIG` in this process; its worker groups are shut down after
+    (upstream's Policy.__del__ would do it at interpreter exit, after Ray is gone)."""
+    import ray
+
+    from bapo_nemo.nemo.driver import main
+
+    try:
+        return main(["--config", str(config)])
+    finally:
+        while built:
+            built.pop().shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def rehearse(spec: dict) -> None:
+    """Run 1 gets SIGUSR1 at train() call `stop_at` (during the stop step) and stops after checkpointing;
+    run 2 is the same command, resuming."""
+    root, config = Path(spec["root"]), Path(spec["config"])
+    calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
+    seen = []
+
+    def signal_during_stop_step():
+        seen.append(True)
+        if len(seen) == spec["stop_at"]:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    runs = []
+    with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(Path(spec["record"]), calls):
+        calls["on_train"].append(signal_during_stop_step)
+        started = time.time()
+        runs.append({"rc": run_driver(config, calls["built"]), "train_calls": len(calls["train"]),
+                     "logprob_calls": len(calls["get_logprobs"]), "seconds": time.time() - started})
+        calls["on_train"].clear()
+        checkpoints_after_stop = sorted(p.name for p in (root / "checkpoints").glob("step_*"))
+        started = time.time()
+        runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
+    torch.save({"train": [dict(b) for b in calls["train"]],
+                "get_logprobs": [(dict(d), dict(r)) for d, r in calls["get_logprobs"]]}, root / "driver_calls.pt")
+    (root / "runs.json").write_text(json.dumps({"runs": runs, "checkpoints_after_stop": checkpoints_after_stop}))
+
+
+if __name__ == "__main__":
+    rehearse(json.loads(Path(sys.argv[1]).read_text()))
