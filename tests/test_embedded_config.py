@@ -13,7 +13,7 @@ import yaml
 
 from bapo_nemo.algorithm import search_clip_bounds
 from bapo_nemo.embedded.config import RunConfigError, load_config, validate_config
-from bapo_nemo.embedded.resume_config import config_differences
+from bapo_nemo.embedded.resume import config_differences
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 

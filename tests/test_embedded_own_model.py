@@ -31,7 +31,8 @@ from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.data import DataError, load_data, math_verify_reward
 from bapo_nemo.embedded.evaluation import encode_prompt
 from bapo_nemo.embedded.model import ModelLoadError
-from bapo_nemo.embedded.trainer import _tasks, train
+from bapo_nemo.embedded.task_source import task_source
+from bapo_nemo.embedded.trainer import train
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 
@@ -209,7 +210,7 @@ def test_dataset_rewards_go_through_math_verify_bundled_tasks_keep_the_arithmeti
     cfg = run_config(tmp_path, model_dir, data)
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.pad_token = tok.eos_token
-    _, eval_tasks, pool, score = _tasks(cfg, tok, 128)
+    _, eval_tasks, pool, score = task_source(cfg, tok, 128)
     task = next(t for t in pool if t.answer == "7")
     assert task.question.endswith("Put the answer in \\boxed{}.")
     assert score("3 + 4 = \\boxed{7}", task) == 1.0
@@ -218,7 +219,7 @@ def test_dataset_rewards_go_through_math_verify_bundled_tasks_keep_the_arithmeti
     assert len(eval_tasks) == 4 and len(pool) == len(MATH_ROWS) - 4
 
     bundled = load_config(None, ["runtime.progress=false"])
-    _, _, _, arithmetic = _tasks(bundled, tok, 256)
+    _, _, _, arithmetic = task_source(bundled, tok, 256)
     from bapo_nemo.embedded.tasks import Task
 
     assert arithmetic("7+5=12;#12", Task("t", "7+5?", "12")) == 1.0
@@ -302,7 +303,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     cfg = run_config(tmp_path, model_dir, data, "data.validation.data_path=" + str(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
+        encode, eval_tasks, pool, _ = task_source(cfg, tok, window)
     assert len(pool) == len(MATH_ROWS) and len(eval_tasks) == len(MATH_ROWS)
     assert any(
         "skipped 1 training prompt(s)" in str(w.message) and "math-32" in str(w.message) for w in caught
@@ -311,7 +312,7 @@ def test_overlong_prompts_are_skipped_and_counted_or_truncated(tmp_path):
     cfg = run_config(
         tmp_path, model_dir, data, "data.validation.data_path=" + str(data), "data.overlong_prompts=truncate"
     )
-    encode, eval_tasks, pool, _ = _tasks(cfg, tok, window)
+    encode, eval_tasks, pool, _ = task_source(cfg, tok, window)
     long = next(t for t in pool if t.answer == "60")
     full = encode_prompt(tok, long.question)
     assert len(full) > 48

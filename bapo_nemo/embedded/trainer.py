@@ -4,8 +4,8 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 
     train(config, output_dir, resume) -> summary dict
 
-1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (`_tasks`), tracker; resume from the newest
-   complete checkpoint if asked
+1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (task_source.py), tracker; resume from the
+   newest intact checkpoint written with the same config, if asked (resume.py)
 2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
    a stop signal ends it between steps, with nothing written
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
@@ -38,8 +38,7 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig
-from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, truncate_prompt, unrepresentable_text
-from bapo_nemo.embedded.evaluation import decode_response, encode_prompt, evaluate
+from bapo_nemo.embedded.evaluation import decode_response, evaluate
 from bapo_nemo.embedded.model import (
     DTYPES,
     build_model,
@@ -48,25 +47,23 @@ from bapo_nemo.embedded.model import (
     load_pretrained_tokenizer,
     prepare_model,
 )
-from bapo_nemo.embedded.resume_config import config_differences
-from bapo_nemo.embedded.rewards import reward_function
+from bapo_nemo.embedded.resume import ResumeError, checkpoint_to_resume, run_to_continue
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
 from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
 from bapo_nemo.embedded.stop_signals import StopFlag
-from bapo_nemo.embedded.tasks import Task, TaskGenerator, TaskStream, load_jsonl_tasks, reward
+from bapo_nemo.embedded.task_source import rollout_reward, task_source
+from bapo_nemo.embedded.tasks import Task, TaskStream
 from bapo_nemo.embedded.tokenizer import load_tokenizer
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
-from bapo_nemo.tracking.mlflow_tracker import MlflowTracker, sqlite_path
+from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text
 from bapo_nemo.tracking.tags import config_hash, default_tags
 
+__all__ = ["MODEL_NAME", "ResumeError", "train"]  # ResumeError: what train() raises when it cannot resume
+
 MODEL_NAME = "bapo-embedded-qwen2-tiny"
 log = logging.getLogger(LOGGER)  # <output_dir>/train.log (and stderr without a progress bar) during train()
-
-
-class ResumeError(RuntimeError):
-    """The output directory cannot be resumed (or would be overwritten); the message says what to do."""
 
 
 def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> dict[str, Any]:
@@ -142,9 +139,9 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
 
-    ckpt = _checkpoint_to_resume(output_dir, config_dict, resume)
+    ckpt = checkpoint_to_resume(output_dir, config_dict, resume)
     model, tokenizer, context_window = _policy(cfg, device)
-    encode, eval_tasks, pool, score = _tasks(cfg, tokenizer, context_window)
+    encode, eval_tasks, pool, score = task_source(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.grpo.seed, cfg.task, held_out, pool)
     warmup_stream = TaskStream(
@@ -168,23 +165,13 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
         sample_gen=torch.Generator(device=device).manual_seed(cfg.grpo.seed + 1),  # sampling: on the device
         shuffle_gen=torch.Generator().manual_seed(cfg.grpo.seed + 2),
         encode=encode,
-        reward=lambda rollout: _rollout_reward(tokenizer, score, rollout),
+        reward=lambda rollout: rollout_reward(tokenizer, score, rollout),
     )
     step, history = 0, {"eval": [], "warmup": None}
     if ckpt is not None:
         step, history = _restore(learner, ckpt, device)
-        run_id, recorded_in = ckpt_io.load_training_info(ckpt).get("mlflow_run_id"), ckpt / "training_info.json"
-    else:
-        run_id, recorded_in = _saved_run_id(output_dir) if resume else None, output_dir / "mlflow_run_id"
-
     tracking_uri = cfg.logger.mlflow.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
-    store = sqlite_path(tracking_uri)
-    if run_id is not None and store is not None and not store.is_file():  # MLflow would make an empty one
-        raise ResumeError(
-            f"the MLflow store {store} does not exist, but {recorded_in} records run {run_id} tracked in it: "
-            "restore the file from a copy, set logger.mlflow.tracking_uri to the store the run was tracked in, "
-            "or start a new run in another --output-dir"
-        )
+    run_id = run_to_continue(output_dir, ckpt, resume, tracking_uri)
     tracker = MlflowTracker(
         tracking_uri,
         cfg.logger.mlflow.experiment_name,
@@ -243,51 +230,6 @@ def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
     return _prepare(cfg, type(like).from_pretrained(str(path), dtype=DTYPES[cfg.model.dtype]), device)
 
 
-def _tasks(cfg: RunConfig, tokenizer, context_window: int):
-    """(encode(task) -> prompt ids, held-out tasks, training pool or None for generated tasks,
-    score(response text, task) -> reward). `data.train.data_path` set: your dataset, prompts fitted to the
-    context window, graded by `data.reward`; otherwise the bundled tasks (generated or `task.*` JSONL)."""
-    max_prompt = context_window - cfg.partial_rollouts.max_response_tokens
-    if max_prompt < 1:
-        raise DataError(
-            f"partial_rollouts.max_response_tokens={cfg.partial_rollouts.max_response_tokens} leaves no room "
-            f"for a prompt in the model's context window of {context_window} tokens: lower it"
-        )
-
-    def encode(task: Task) -> list[int]:
-        return encode_prompt(tokenizer, task.question)
-
-    if cfg.data.train.data_path is None:
-        eval_tasks = (
-            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction, max_prompt)
-            if cfg.task.eval_file
-            else TaskGenerator(
-                cfg.task.eval_seed,
-                cfg.task.min_ops,
-                cfg.task.max_ops,
-                cfg.task.tail_alpha,
-                cfg.task.max_value,
-                cfg.task.max_operand,
-                prefix="eval",
-            ).sample(cfg.task.eval_size)
-        )
-        pool = (
-            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction, max_prompt)
-            if cfg.task.train_file
-            else None
-        )
-        return encode, eval_tasks, pool, reward
-
-    pool, eval_tasks = load_data(cfg.data, cfg.task.eval_seed,
-                                 unrepresentable_text(tokenizer, cfg.data.prompt_template))
-    pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
-    eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
-    score = reward_function(cfg.data.reward, cfg.data.default.output_key)
-    if cfg.data.overlong_prompts == "truncate":
-        return (lambda task: truncate_prompt(encode(task), max_prompt)), eval_tasks, pool, score
-    return encode, eval_tasks, pool, score
-
-
 def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(),
@@ -313,36 +255,6 @@ def _restore(learner: Learner, ckpt: Path, device: torch.device) -> tuple[int, d
     learner.manager.load_state_dict(rollout_state["manager"])
     learner.replay.load_state_dict(rollout_state["replay"])
     return state["step"], state["history"]
-
-
-def _checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> Path | None:
-    latest = ckpt_io.latest_checkpoint(output_dir)
-    if latest is None:
-        log.info(f"starting fresh in {output_dir}")
-        return None
-    if not resume:
-        raise ResumeError(
-            f"{output_dir} already holds checkpoints (newest: {latest.name}); pass --resume to continue that run, "
-            "or choose a new --output-dir (nothing was overwritten)"
-        )
-    # a checkpoint damaged after it was written (full disk, partial copy) is skipped, never resumed from
-    latest = ckpt_io.latest_intact_checkpoint(
-        output_dir, report=lambda ckpt, why: log.warning(f"skipping checkpoint {ckpt.name}: {why}")
-    )
-    diffs = config_differences(ckpt_io.load_config_dict(latest), redact_nested(config_dict))  # saved redacted
-    if diffs:
-        raise ResumeError(
-            f"cannot resume from {latest}: it was written with a different config. Differing keys:\n  "
-            + "\n  ".join(diffs)
-            + "\nResume with the checkpoint's values, or start a new run in another --output-dir."
-        )
-    log.info(f"resuming from step {ckpt_io.load_training_info(latest).get('step')} ({latest})")
-    return latest
-
-
-def _saved_run_id(output_dir: Path) -> str | None:
-    path = output_dir / "mlflow_run_id"
-    return path.read_text().strip() or None if path.is_file() else None
 
 
 # ---- 2. warm-up ------------------------------------------------------------------------------------------
@@ -528,11 +440,6 @@ def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, o
     except Exception as exc:  # noqa: BLE001 (the plot is a convenience; never fail a finished run for it)
         print(f"could not log the training plot ({type(exc).__name__}: {redact_text(str(exc))})", file=sys.stderr)
         return None
-
-
-def _rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:
-    task = Task(rollout.prompt_id, rollout.meta["question"], rollout.meta["answer"])
-    return score(decode_response(tokenizer, rollout.response_token_ids), task)
 
 
 def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
