@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from bapo_nemo.plan.checks import plan_cluster
+from bapo_nemo.plan.cluster_plan import plan_cluster
 from bapo_nemo.plan.config_io import get, load_nemo_config
 from bapo_nemo.plan.generation import response_moments, simulate_partial, simulate_without_partial
 from bapo_nemo.plan.generation_check import budget_grid, covering, partial_setting, rollout_shape_for

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from nemo_rl_source import run_with_nemo_rl
 
-from bapo_nemo.plan.checks import NEMO_RL_IMAGE_SOURCE, check_config, data_files
+from bapo_nemo.plan.checks import check_config
 from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.path_checks import NEMO_RL_IMAGE_SOURCE, data_files
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 

@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 from bapo_nemo.config_kind import wrong_tool_for_embedded
-from bapo_nemo.plan.checks import bapo_enabled, check_config, plan_cluster
+from bapo_nemo.plan.checks import bapo_enabled, check_config
+from bapo_nemo.plan.cluster_plan import plan_cluster
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.models import UnknownModelError, resolve_model

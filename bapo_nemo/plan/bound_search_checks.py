@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bapo_nemo.plan.checks import ClusterPlan, bapo_enabled
+from bapo_nemo.plan.checks import bapo_enabled
+from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.models import ModelShape

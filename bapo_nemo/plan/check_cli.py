@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
-from bapo_nemo.plan.checks import check_config, plan_cluster
+from bapo_nemo.plan.checks import check_config
+from bapo_nemo.plan.cluster_plan import plan_cluster
 from bapo_nemo.plan.config_io import ConfigLoadError, get, load_nemo_config
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate

@@ -1,5 +1,7 @@
 """Checks of a NeMo-RL v0.7.0 GRPO config for one cluster shape: what would otherwise fail (or silently
-misbehave) hours into a cluster job. Each finding names the key and the fix.
+misbehave) hours into a cluster job. Each finding names the key and the fix. `check_config` runs every
+rule: the layout's (cluster_plan.py builds the plan), the BAPO block's, the partial-rollout block's
+(partial_checks.py), batches, generation, the loss, checkpoints and paths (path_checks.py).
 
 A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's defaults from
 `examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS` in bapo_nemo/plan/findings.py).
@@ -7,169 +9,15 @@ A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
-from bapo_nemo.plan.memory import GenerationSetup, Parallelism, TrainingSetup
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.partial_checks import partial_rollout_rules
+from bapo_nemo.plan.path_checks import path_rules
 from bapo_nemo.plan.schema import unknown_keys
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    backend: str  # megatron | dtensor
-    train_gpus: int
-    generation_gpus: int  # 0 when colocated
-    parallel: Parallelism
-    training: TrainingSetup
-    generation: GenerationSetup
-
-
-def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterPlan | None, list[Finding]]:
-    """World-size decomposition: train GPUs = TP * PP * CP * DP (Megatron) or TP * CP * DP (DTensor)."""
-    f: list[Finding] = []
-    megatron = bool(value(config, "policy.megatron_cfg.enabled"))
-    # v0.7.0's base config enables DTensor; Megatron configs switch it off explicitly.
-    dtensor = bool(get(config, "policy.dtensor_cfg.enabled", not megatron))
-    if megatron and dtensor:
-        f.append(
-            Finding(
-                "error",
-                "policy.dtensor_cfg.enabled",
-                "both Megatron and DTensor are enabled: set policy.dtensor_cfg.enabled=false for Megatron",
-            )
-        )
-    prefix = "policy.megatron_cfg" if megatron else "policy.dtensor_cfg"
-    tp = int(
-        value(
-            config, f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size"
-        )
-    )
-    pp = int(value(config, f"{prefix}.pipeline_model_parallel_size")) if megatron else 1
-    cp = int(value(config, f"{prefix}.context_parallel_size"))
-    sp = (
-        bool(value(config, f"{prefix}.sequence_parallel"))
-        if megatron
-        else bool(get(config, f"{prefix}.sequence_parallel", False))
-    )
-
-    for key, want in (("cluster.num_nodes", nodes), ("cluster.gpus_per_node", gpus_per_node)):
-        have = value(config, key)
-        if have != want:
-            flag = "--nodes" if key.endswith("num_nodes") else "--gpus-per-node"
-            f.append(
-                Finding(
-                    "error",
-                    key,
-                    f"{key}={have} but the job has {flag} {want}: set ++{key}={want} "
-                    "(NeMo-RL builds its Ray placement groups from the config, not from Slurm)",
-                )
-            )
-    world = nodes * gpus_per_node
-    colocated = bool(value(config, "policy.generation.colocated.enabled"))
-    gen_gpus = 0
-    if not colocated:
-        res = get(config, "policy.generation.colocated.resources", {}) or {}
-        if nodes == 1:
-            gen_gpus = int(res.get("gpus_per_node") or 0)
-            if not gen_gpus:
-                f.append(
-                    Finding(
-                        "error",
-                        "policy.generation.colocated.resources.gpus_per_node",
-                        "non-colocated generation on one node needs the number of generation GPUs",
-                    )
-                )
-        else:
-            gen_nodes = int(res.get("num_nodes") or 0)
-            if not gen_nodes:
-                f.append(
-                    Finding(
-                        "error",
-                        "policy.generation.colocated.resources.num_nodes",
-                        "non-colocated generation on several nodes needs the number of generation nodes",
-                    )
-                )
-            gen_gpus = gen_nodes * gpus_per_node
-    train_gpus = world - gen_gpus
-    model_parallel = tp * pp * cp
-    if train_gpus <= 0:
-        f.append(
-            Finding(
-                "error",
-                "policy.generation.colocated.resources",
-                f"generation takes {gen_gpus} of {world} GPUs: nothing is left for training",
-            )
-        )
-        return None, f
-    if train_gpus % model_parallel:
-        f.append(
-            Finding(
-                "error",
-                f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size",
-                f"{train_gpus} training GPUs are not a multiple of TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}: "
-                f"change the parallel sizes or the number of nodes",
-            )
-        )
-        return None, f
-    dp = train_gpus // model_parallel
-    if sp and tp == 1:
-        f.append(
-            Finding(
-                "warning",
-                f"{prefix}.sequence_parallel",
-                "sequence_parallel with TP=1 does nothing: set it false",
-            )
-        )
-    mbs = int(value(config, "policy.train_micro_batch_size"))
-    gbs = int(value(config, "policy.train_global_batch_size"))
-    packing = bool(value(config, "policy.sequence_packing.enabled"))
-    seq = int(value(config, "policy.max_total_sequence_length"))
-    mb_tokens = (
-        int(get(config, "policy.sequence_packing.train_mb_tokens", seq * mbs)) if packing else seq * mbs
-    )
-    if megatron and packing and bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")):
-        # FP8 pads each packed micro-batch to block * 2*CP * TP(SP) tokens (v0.7.0 megatron/data.py).
-        block = {"blockwise": 128, "mxfp8": 32}.get(
-            value(config, "policy.megatron_cfg.fp8_cfg.fp8_recipe"), 16
-        )
-        pad = block * (2 * cp if cp > 1 else 1) * (tp if (tp > 1 and sp) else 1)
-        mb_tokens = -(-mb_tokens // pad) * pad
-    per_rank_samples = gbs // dp if dp else gbs
-    micro_batches = max(1, per_rank_samples // max(1, mbs))
-    training = TrainingSetup(
-        micro_batch_tokens=mb_tokens,
-        micro_batches_per_step=micro_batches,
-        activation_checkpointing=bool(value(config, f"{prefix}.activation_checkpointing"))
-        if megatron
-        else bool(get(config, f"{prefix}.activation_checkpointing", False)),
-        fp8=megatron and bool(value(config, "policy.megatron_cfg.fp8_cfg.enabled")),
-        fp8_param=megatron and bool(value(config, "policy.megatron_cfg.fp8_cfg.fp8_param")),
-        grad_reduce_in_fp32=bool(
-            value(config, "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32")
-        ),
-        distributed_optimizer=bool(value(config, "policy.megatron_cfg.optimizer.use_distributed_optimizer"))
-        if megatron
-        else True,
-        optimizer_cpu_offload=bool(value(config, "policy.megatron_cfg.optimizer.optimizer_cpu_offload"))
-        if megatron
-        else False,
-    )
-    generation = GenerationSetup(
-        colocated, float(value(config, "policy.generation.vllm_cfg.gpu_memory_utilization"))
-    )
-    plan = ClusterPlan(
-        "megatron" if megatron else "dtensor",
-        train_gpus,
-        gen_gpus,
-        Parallelism(tp, pp, cp, dp, sp),
-        training,
-        generation,
-    )
-    return plan, f
 
 
 def check_config(
@@ -191,7 +39,7 @@ def check_config(
     f += _loss_rules(config, plan)
     f += _checkpoint_rules(config)
     if check_paths:
-        f += _path_rules(config, Path(workdir) if workdir is not None else Path.cwd())
+        f += path_rules(config, Path(workdir) if workdir is not None else Path.cwd())
     return f
 
 
@@ -497,70 +345,3 @@ def _checkpoint_rules(config: dict) -> list[Finding]:
             "(only DTensor v2 takes it): set it to null",
         )
     ]
-
-
-# Where nvcr.io/nvidia/nemo-rl:v0.7.0 holds NeMo-RL's source (its examples/prompts/ included).
-NEMO_RL_IMAGE_SOURCE = "/opt/nemo-rl"
-
-
-def data_files(config: dict) -> list[tuple[str, str, bool]]:
-    """(key, path, opened as a file) of every data path in `data:`. Prompt files are opened by v0.7.0's
-    `TaskDataSpec.__post_init__` with a plain `os.path.exists`/`open`, so a relative one resolves against
-    the driver's working directory; `data_path` may also be a Hugging Face dataset name."""
-    found = []
-    default = get(config, "data.default")
-    sections = [("data.default", default if isinstance(default, dict) else None)]
-    for section in ("train", "validation"):
-        entries = get(config, f"data.{section}")
-        if isinstance(entries, list):
-            sections += [(f"data.{section}[{i}]", e) for i, e in enumerate(entries)]
-        else:
-            sections.append((f"data.{section}", entries))
-    for where, entry in sections:
-        if not isinstance(entry, dict):
-            continue
-        for name in ("prompt_file", "system_prompt_file"):
-            if isinstance(entry.get(name), str) and entry[name]:
-                found.append((f"{where}.{name}", entry[name], True))
-        if isinstance(entry.get("data_path"), str) and entry["data_path"]:
-            found.append((f"{where}.data_path", entry["data_path"], False))
-    return found
-
-
-def _path_rules(config: dict, workdir: Path) -> list[Finding]:
-    """Paths that must exist before the job starts, resolved as NeMo-RL will resolve them: relative prompt
-    files against `workdir`, the job's working directory (slurm/bapo_32b.sbatch: the checkout)."""
-    f: list[Finding] = []
-    candidates = [
-        ("policy.model_name", get(config, "policy.model_name"), False),
-        ("policy.tokenizer.name", get(config, "policy.tokenizer.name"), False),
-        *data_files(config),
-    ]
-    in_image = Path(NEMO_RL_IMAGE_SOURCE).is_dir()  # false outside the container: those paths are unknowable
-    for key, path, is_file in candidates:
-        if not isinstance(path, str):
-            continue
-        if not path.startswith("/"):
-            if is_file and not (workdir / path).exists():
-                f.append(
-                    Finding(
-                        "error",
-                        key,
-                        f"{path} is relative: NeMo-RL opens it from the job's working directory, where "
-                        f"{workdir / path} does not exist; use an absolute path (NeMo-RL's own prompts: "
-                        f"{NEMO_RL_IMAGE_SOURCE}/examples/prompts/...)",
-                    )
-                )
-            continue
-        if Path(path).exists():
-            continue
-        if path.startswith(NEMO_RL_IMAGE_SOURCE + "/") and not in_image:
-            f.append(Finding("warning", key, f"{path} is inside the NeMo-RL image; not checked outside it"))
-        else:
-            f.append(
-                Finding("error", key, f"{path} does not exist (mount it into the container or fix the path)")
-            )
-    ckpt = get(config, "checkpointing.checkpoint_dir")
-    if isinstance(ckpt, str) and ckpt.startswith("/") and not Path(ckpt).parent.exists():
-        f.append(Finding("warning", "checkpointing.checkpoint_dir", f"parent of {ckpt} does not exist here"))
-    return f

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bapo_nemo.plan.checks import ClusterPlan
+from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import GenerationModelError
 from bapo_nemo.plan.findings import Finding
