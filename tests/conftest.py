@@ -93,7 +93,7 @@ XDIST_GROUPS = {
     # NeMo-RL in-process: Ray clusters (a head per module, a local one per test), MLflow's fluent API (a
     # process follows the first tracking URI it is given), the driver's signal handlers.
     "test_nemo_driver_e2e.py": "nemo-rl-in-process",
-    "test_nemo_partial_rollout.py": "nemo-rl-in-process",
+    "test_nemo_partial_rollout_grpo.py": "nemo-rl-in-process",
     "test_tracking_nemo_rl.py": "nemo-rl-in-process",
     "test_nemo_step_signal.py": "nemo-rl-in-process",
     # The Megatron rehearsal in a worker of its own, beside the group above (its Ray head is private and

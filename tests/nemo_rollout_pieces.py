@@ -132,3 +132,23 @@ def standin_single_turn_rollout(
 
 class PadOnlyTokenizer:
     pad_token_id = PAD
+
+
+def master_config(**over) -> dict:
+    """A minimal v0.7.0 master config with a partial_rollouts block; `section__key=value` overrides."""
+    cfg = {
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_rollout_turns": 1},
+        "policy": {"max_total_sequence_length": 64, "generation": {"backend": "vllm", "max_new_tokens": 12}},
+        "loss_fn": {"use_importance_sampling_correction": True},
+        "env": {},
+        "partial_rollouts": {"token_budget": 4, "max_resumptions": 5},
+    }
+    for path, value in over.items():
+        section, key = path.split("__")
+        cfg[section][key] = value
+    return cfg
+
+
+def prompt_batches(n: int, first: int = 0) -> list[dict]:
+    """n dataloader batches of 2 prompts each (rl_collate_fn columns), prompt i = [5, i + 1]."""
+    return [collate([datum(i, [5, i + 1]), datum(i + 1, [5, i + 2])]) for i in range(first, first + 2 * n, 2)]
