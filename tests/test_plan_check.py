@@ -184,6 +184,26 @@ def test_model_heads_and_cluster_shape():
     assert "++cluster.num_nodes=2" in errors["cluster.num_nodes"]
 
 
+@pytest.mark.parametrize(
+    "nodes,resources,key,fragment",
+    [
+        (1, "{}", "policy.generation.colocated.resources.gpus_per_node", "on one node needs the number of generation GPUs"),
+        (8, "{}", "policy.generation.colocated.resources.num_nodes", "on several nodes needs the number of generation nodes"),
+        (1, "{gpus_per_node: 8}", "policy.generation.colocated.resources", "generation takes 8 of 8 GPUs"),
+        (8, "{num_nodes: 8}", "policy.generation.colocated.resources", "generation takes 64 of 64 GPUs"),
+    ],
+)
+def test_dedicated_generation_needs_its_share_named(nodes, resources, key, fragment):
+    """Non-colocated generation: one node names its generation GPUs, several name whole generation nodes;
+    what generation takes must leave training some."""
+    _, findings, _, _ = run_check(
+        _args(CONFIGS / "bapo_32b.yaml", nodes, 8, "policy.generation.colocated.enabled=false",
+              f"++policy.generation.colocated.resources={resources}")
+    )
+    errors = _errors(findings)
+    assert fragment in errors.get(key, ""), errors
+
+
 def test_async_requirements():
     _, findings, _, _ = run_check(_args(CONFIGS / "bapo_32b.yaml", 8, 8, "grpo.async_grpo.enabled=true"))
     errors = _errors(findings)

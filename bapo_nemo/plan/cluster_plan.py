@@ -66,27 +66,20 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
     gen_gpus = 0
     if not colocated:
         res = get(config, "policy.generation.colocated.resources", {}) or {}
-        if nodes == 1:
-            gen_gpus = int(res.get("gpus_per_node") or 0)
-            if not gen_gpus:
-                f.append(
-                    Finding(
-                        "error",
-                        "policy.generation.colocated.resources.gpus_per_node",
-                        "non-colocated generation on one node needs the number of generation GPUs",
-                    )
+        # one node: generation takes `gpus_per_node` of its GPUs; several: `num_nodes` whole nodes
+        key, where, unit = (
+            ("gpus_per_node", "one node", "GPUs") if nodes == 1 else ("num_nodes", "several nodes", "nodes")
+        )
+        count = int(res.get(key) or 0)
+        if not count:
+            f.append(
+                Finding(
+                    "error",
+                    f"policy.generation.colocated.resources.{key}",
+                    f"non-colocated generation on {where} needs the number of generation {unit}",
                 )
-        else:
-            gen_nodes = int(res.get("num_nodes") or 0)
-            if not gen_nodes:
-                f.append(
-                    Finding(
-                        "error",
-                        "policy.generation.colocated.resources.num_nodes",
-                        "non-colocated generation on several nodes needs the number of generation nodes",
-                    )
-                )
-            gen_gpus = gen_nodes * gpus_per_node
+            )
+        gen_gpus = count if nodes == 1 else count * gpus_per_node
     train_gpus = world - gen_gpus
     model_parallel = tp * pp * cp
     if train_gpus <= 0:
