@@ -10,9 +10,10 @@ In a pytest worker the shim then stayed for every later test that worker ran (th
 with a stub AutoBridge and changed parity figures). tests/conftest.py fails any test that leaves the shim
 installed in a pytest process.
 
-SPEC.json: {"config", "record", "root", "stop_at", "num_gpus"}. Writes, under root: driver_calls.pt (every
-batch the driver handed Policy.train / Policy.get_logprobs, and the latter's results) and runs.json (each
-run's exit code, call counts and seconds, and the checkpoints the stopped run left).
+SPEC.json: {"config", "root", "stop_at", "num_gpus"}. The workers record under root/record. Writes, under
+root: driver_calls.pt (every batch the driver handed Policy.train / Policy.get_logprobs, and the latter's
+results) and runs.json (each run's exit code, call counts and seconds, and the checkpoints the stopped run
+left).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def rehearse(spec: dict) -> None:
             os.kill(os.getpid(), signal.SIGUSR1)
 
     runs = []
-    with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(Path(spec["record"]), calls):
+    with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(root / "record", calls):
         calls["on_train"].append(signal_during_stop_step)
         started = time.time()
         runs.append({"rc": run_driver(config, calls["built"]), "train_calls": len(calls["train"]),

@@ -15,7 +15,8 @@ import yaml
 
 from bapo_nemo.embedded.checkpoint import complete_checkpoints
 from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.trainer import ResumeError, train
+from bapo_nemo.embedded.resume import ResumeError
+from bapo_nemo.embedded.trainer import train
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
 

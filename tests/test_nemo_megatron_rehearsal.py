@@ -276,7 +276,7 @@ def rehearsal(tmp_path_factory):
     }
     config, info = rehearsal_config(root, assets)
     spec = {
-        "config": str(config), "record": str(root / "record"), "root": str(root),
+        "config": str(config), "root": str(root),
         "stop_at": (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1,  # the stop step's first train()
         "num_gpus": TP * CP * DP,
     }

@@ -83,11 +83,12 @@ def main(args: argparse.Namespace) -> int:
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
+    from bapo_nemo.embedded.resume import ResumeError
     from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.run_log import append_line
     from bapo_nemo.embedded.run_summary import summary_record, summary_text
     from bapo_nemo.embedded.tasks import TaskFileError
-    from bapo_nemo.embedded.trainer import ResumeError, train
+    from bapo_nemo.embedded.trainer import train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
     output_dir = args.output_dir or str(Path("runs") / Path(args.config).stem)

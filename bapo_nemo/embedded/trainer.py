@@ -47,7 +47,7 @@ from bapo_nemo.embedded.model import (
     load_pretrained_tokenizer,
     prepare_model,
 )
-from bapo_nemo.embedded.resume import ResumeError, checkpoint_to_resume, run_to_continue
+from bapo_nemo.embedded.resume import checkpoint_to_resume, run_to_continue
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
 from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
@@ -59,8 +59,6 @@ from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text
 from bapo_nemo.tracking.tags import config_hash, default_tags
-
-__all__ = ["MODEL_NAME", "ResumeError", "train"]  # ResumeError: what train() raises when it cannot resume
 
 MODEL_NAME = "bapo-embedded-qwen2-tiny"
 log = logging.getLogger(LOGGER)  # <output_dir>/train.log (and stderr without a progress bar) during train()

@@ -66,20 +66,24 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
     gen_gpus = 0
     if not colocated:
         res = get(config, "policy.generation.colocated.resources", {}) or {}
-        # one node: generation takes `gpus_per_node` of its GPUs; several: `num_nodes` whole nodes
-        key, where, unit = (
-            ("gpus_per_node", "one node", "GPUs") if nodes == 1 else ("num_nodes", "several nodes", "nodes")
-        )
+        if nodes == 1:  # generation takes some of the node's GPUs
+            key, what, gpus_each = "gpus_per_node", "on one node needs the number of generation GPUs", 1
+        else:  # generation takes whole nodes
+            key, what, gpus_each = (
+                "num_nodes",
+                "on several nodes needs the number of generation nodes",
+                gpus_per_node,
+            )
         count = int(res.get(key) or 0)
         if not count:
             f.append(
                 Finding(
                     "error",
                     f"policy.generation.colocated.resources.{key}",
-                    f"non-colocated generation on {where} needs the number of generation {unit}",
+                    f"non-colocated generation {what}",
                 )
             )
-        gen_gpus = count if nodes == 1 else count * gpus_per_node
+        gen_gpus = count * gpus_each
     train_gpus = world - gen_gpus
     model_parallel = tp * pp * cp
     if train_gpus <= 0:
