@@ -152,6 +152,13 @@ class LocalSlurm:
                     # Time between SIGTERM and SIGKILL: the trainer finishes its step and checkpoints in it.
                     "KillWait=30",
                     "MinJobAge=600",
+                    # A loaded 2-core machine (xdist workers, Ray actors) answers late: Slurm's defaults
+                    # (10 s per message, 10 s to start a batch job, 60 s for a killed step to go) would
+                    # count a slow answer as a failure and requeue-hold the job or drain the node, after
+                    # which no later attempt ever starts. Wider limits change nothing on an idle machine.
+                    "MessageTimeout=60",
+                    "BatchStartTimeout=120",
+                    "UnkillableStepTimeout=300",
                     # Schedule pending jobs within seconds, not the default minute.
                     "SchedulerParameters=sched_interval=2,bf_interval=2",
                     (
@@ -214,6 +221,16 @@ class LocalSlurm:
         out = self.run(["scontrol", "show", "job", "-o", job_id]).stdout
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
+    def diagnosis(self, job_id: str) -> str:
+        """What Slurm says of a job and of the node, and the controller's log tail: for the message of a
+        wait that timed out (a job pending for a reason, a drained node)."""
+        job = self.run(["scontrol", "show", "job", job_id], check=False)
+        node = self.run(["scontrol", "show", "node", "localhost"], check=False)
+        log = self.root / "log" / "slurmctld.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+        return (f"--- scontrol show job {job_id}\n{job.stdout}{job.stderr}--- scontrol show node localhost\n"
+                f"{node.stdout}{node.stderr}--- {log} (tail)\n{tail}")
+
     def wait_for_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
@@ -222,7 +239,7 @@ class LocalSlurm:
             if info.get("JobState") in states:
                 return info
             time.sleep(1)
-        raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {info}")
+        raise AssertionError(f"job {job_id} not in {states} after {timeout}s\n{self.diagnosis(job_id)}")
 
     # -- tear-down -------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -383,7 +400,10 @@ def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
             slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=False)
         return False
 
-    wait_until(next_attempt_running, HANG_GUARD_S, f"attempt {restarts} of job {sub.job_id} running", sub, period=1)
+    try:
+        wait_until(next_attempt_running, HANG_GUARD_S, f"attempt {restarts} of job {sub.job_id} running", sub, period=1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{slurm.diagnosis(sub.job_id)}") from None
 
 
 def driver_summary(sub: Submission, attempt: int) -> dict:
