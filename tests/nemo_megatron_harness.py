@@ -19,18 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plant(scenario: str) -> None:
@@ -57,8 +50,12 @@ def plant(scenario: str) -> None:
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
-def _rank(rank: int, world: int, port: int, spec: dict, shards: list) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, spec: dict, shards: list) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # A file rendezvous: no port to choose, so none another process can take first. The worker then
+    # finds the process group initialized and uses it.
+    rendezvous = Path(spec["out"]) / "rendezvous"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     import numpy as np
     from megatron.core import parallel_state
     from nemo_rl.distributed.named_sharding import NamedSharding
@@ -131,7 +128,9 @@ def main(spec_path: str) -> None:
             "max_tokens_per_microbatch": packing["train_mb_tokens"],
         },
     )
-    mp.start_processes(_rank, args=(spec["world"], _free_port(), spec, shards), nprocs=spec["world"], start_method="fork")
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    (Path(spec["out"]) / "rendezvous").unlink(missing_ok=True)  # a file store must start empty
+    mp.start_processes(_rank, args=(spec["world"], spec, shards), nprocs=spec["world"], start_method="fork")
 
 
 if __name__ == "__main__":

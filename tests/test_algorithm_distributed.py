@@ -3,9 +3,6 @@ single-process bounds on the concatenated batch, for both orders and both measur
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,9 +26,9 @@ def _batch(seed: int):
     return ratio, adv, mask
 
 
-def _worker(rank: int, world: int, port: int, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, rendezvous: str, out):
+    # A file rendezvous: no port to choose, so none another process can take first.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         ratio, adv, mask = _batch(seed=rank)
         group = dist.new_group(ranks=list(range(world)))  # stands in for the data-parallel group
@@ -48,17 +45,10 @@ def _worker(rank: int, world: int, port: int, out):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_choose_the_bounds_of_the_concatenated_batch():
+def test_two_ranks_choose_the_bounds_of_the_concatenated_batch(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "rendezvous"), out)) for r in range(2)]
     for p in procs:
         p.start()
     got = [out.get(timeout=HANG_GUARD_S) for _ in procs]

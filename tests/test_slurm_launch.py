@@ -17,7 +17,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.hang_guard import HANG_GUARD_S
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "bapo_32b.sbatch"
@@ -38,12 +38,6 @@ pytestmark = [pytest.mark.slurm]
 # ---------------------------------------------------------------------------------------------------------
 # A real single-node Slurm cluster on localhost
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which_all(*names: str) -> dict[str, str | None]:
@@ -123,8 +117,8 @@ class LocalSlurm:
                     "SlurmctldHost=localhost(127.0.0.1)",
                     f"SlurmUser={user}",
                     f"SlurmdUser={user}",
-                    f"SlurmctldPort={_free_port()}",
-                    f"SlurmdPort={_free_port()}",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
                     "AuthType=auth/munge",
                     "CredType=cred/munge",
                     f"AuthInfo=socket={socket_path}",

@@ -25,14 +25,9 @@ from bapo_nemo.tracking.mlflow_tracker import (
 )
 from bapo_nemo.tracking.redact import REDACTED, flatten, is_secret_key
 from bapo_nemo.tracking.tags import config_hash, default_tags
+from tests.ports import free_port
 
 MLFLOW_BIN = str(Path(sys.executable).with_name("mlflow"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlflowServer:
@@ -40,7 +35,7 @@ class MlflowServer:
 
     def __init__(self, root: Path):
         self.root = root
-        self.port = _free_port()
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -217,7 +212,7 @@ def test_outage_buffers_and_replays_every_metric_exactly_once(server, tmp_path):
 
 
 def test_new_run_with_server_down_fails_fast_with_clear_error(tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     tracker = MlflowTracker(dead, "nowhere", buffer_dir=tmp_path)
     with pytest.raises(TrackingUnavailableError, match="Start the tracking server"):
         tracker.start({}, {})

@@ -10,7 +10,6 @@ import pty
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from test_user_errors import bapo_nemo, copy_run, tree_digest, with_, write_config
 
 from tests import cli_process
+from tests.ports import free_port
 
 
 def _status(run: Path) -> str:
@@ -79,12 +79,6 @@ SLURM_TOKEN = "ghp_" + "ZyXwVuTsRqPoNmLkJiHgFe98765"
 SECRETS = (PASSWORD, RUN_NAME_TOKEN, REGISTRY_PASSWORD, SLURM_TOKEN)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _files_holding_secrets(root: Path) -> list[str]:
     found = []
     for path in root.rglob("*"):
@@ -99,7 +93,7 @@ def mlflow_server(tmp_path):
     """A real `mlflow server` (sqlite backend, artifacts served from a local directory) on a free port."""
     root = tmp_path / "server"
     root.mkdir()
-    port = _free_port()
+    port = free_port()
     with open(root / "server.log", "w") as server_log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
