@@ -85,8 +85,9 @@ def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, st
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + START_TIMEOUT_S
         while proc.poll() is None and time.time() < deadline:
-            if address_file.is_file() and _listens(proc, client_port):
-                return proc, address_file.read_text().strip(), temp_dir
+            address = address_file.read_text().strip() if address_file.is_file() else ""
+            if ":" in address and _listens(proc, client_port):  # ":": the file is written whole
+                return proc, address, temp_dir
             time.sleep(0.5)
         if proc.poll() is None:
             _stop(proc)
