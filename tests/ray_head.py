@@ -102,15 +102,13 @@ def private_ray_head(num_cpus: int, num_gpus: int) -> Iterator[str]:
     job's head). Logical GPUs: NeMo-RL's placement groups ask for them."""
     import ray
 
-    proc, address, temp_dir = _start_head(num_cpus, num_gpus)
+    proc, address, temp_dir = _start_head(num_cpus, num_gpus)  # up: its address written, its ports held
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address
     try:
-        ray.init(address=address, log_to_driver=False)  # the head is up: a driver can join it
-        ray.shutdown()
         yield address
     finally:
-        if ray.is_initialized():
+        if ray.is_initialized():  # a body that left its driver connected
             ray.shutdown()
         _stop(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)  # a failed start keeps its logs: they are in its error
