@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from bapo_nemo.embedded.tokenizer import load_tokenizer
 from bapo_nemo.export.checkpoint import ExportError, resolve_checkpoint, validate_embedded
 from bapo_nemo.export.hf import export_embedded
 from bapo_nemo.export.parity import compare
+from tests import cli_process
+from tests.hang_guard import HANG_GUARD_S
 
 
 def tiny_model(tokenizer, seed: int = 0) -> Qwen2ForCausalLM:
@@ -173,7 +176,7 @@ def test_register_without_run_id_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,
-                    reason="nvidia-modelopt not installed: pip install 'bapo-nemo[fp8]'")
+                    reason="nvidia-modelopt not installed: pip install -e '.[fp8]'")
 def test_fp8_export_with_modelopt_on_cpu(checkpoint, tmp_path, capsys):
     from safetensors.torch import load_file
 
@@ -194,3 +197,26 @@ def test_fp8_export_with_modelopt_on_cpu(checkpoint, tmp_path, capsys):
     deq = exported[name].float() * exported[name + "_scale"].float()
     assert (deq - w).abs().max() <= w.abs().max() / 28 + 1e-7
     assert (out / "tokenizer.json").is_file() and "FP8" in (out / "README.md").read_text()
+
+
+def without_modelopt() -> None:
+    """What `import modelopt` answers in a Python environment where nvidia-modelopt is not installed."""
+    sys.modules["modelopt"] = None
+
+
+def test_fp8_without_modelopt_gives_the_install_command_that_works(checkpoint, tmp_path):
+    """`bapo-nemo export --fp8` where ModelOpt does not import: one line with the command that installs it
+    from the checkout (bapo-nemo is not on PyPI, so `pip install 'bapo-nemo[fp8]'` would find nothing), exit
+    2, and nothing written at --out."""
+    out = tmp_path / "fp8"
+    blocked = "import sys; sys.modules['modelopt'] = None; from bapo_nemo.cli import main; sys.exit(main())"
+    proc = cli_process.start("export", str(checkpoint), "--out", str(out), "--fp8", cwd=tmp_path,
+                             env=cli_process.cli_env(), before_main=without_modelopt,
+                             exec_command=[sys.executable, "-c", blocked])
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, stderr[-2000:]
+    [line] = stderr.strip().splitlines()
+    assert line.startswith("bapo-nemo export: error: --fp8 needs NVIDIA ModelOpt")
+    assert "in the bapo-nemo checkout run pip install -e '.[fp8]'" in line
+    assert "pip install 'nvidia-modelopt>=0.20'" in line and "bapo-nemo[fp8]" not in line
+    assert stdout == "" and not out.exists() and list(tmp_path.iterdir()) == []

@@ -54,6 +54,10 @@ def main(args: argparse.Namespace) -> int:
         check_output_dir(Path(args.out).resolve(), args.force, ref.path)  # before the work, not after it
         if args.register_model and ref.kind == "embedded":  # fail before the work, not after it
             _check_registrable(ref.path, args.tracking_uri)
+        if args.fp8 and ref.kind == "embedded":
+            from bapo_nemo.export.fp8 import import_modelopt
+
+            import_modelopt()  # a missing ModelOpt is said before anything is loaded
         print(f"exporting {ref.kind} checkpoint {ref.path} -> {args.out}")
         if ref.kind == "nemo_rl":
             if args.fp8:

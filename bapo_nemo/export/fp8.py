@@ -1,4 +1,5 @@
-"""Post-training FP8 quantisation for serving, with NVIDIA ModelOpt (``pip install 'bapo-nemo[fp8]'``).
+"""Post-training FP8 quantisation for serving, with NVIDIA ModelOpt (``pip install -e '.[fp8]'`` in the
+bapo-nemo checkout: bapo-nemo is not on PyPI).
 
 ``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)`` inserts per-tensor FP8 (e4m3) quantisers for the
 weights and inputs of every linear layer (embeddings and lm_head excluded) and calibrates the input
@@ -31,14 +32,18 @@ from bapo_nemo.export.hf import (
 from bapo_nemo.export.parity import compare, heldout_sequences, token_logprobs
 
 FP8_MEAN_TOLERANCE = 0.05  # nats per token, averaged; a broken scale gives O(1)
+MODELOPT_REQUIREMENT = "nvidia-modelopt>=0.20"  # as pyproject.toml's fp8 extra
 
 
-def _import_modelopt():
+def import_modelopt():
     try:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
     except (ImportError, RuntimeError) as exc:  # RuntimeError: CUDA-only extensions probed at import
-        raise ExportError(f"--fp8 needs NVIDIA ModelOpt: pip install 'bapo-nemo[fp8]' ({exc})") from exc
+        # bapo-nemo is installed from its checkout, not PyPI: `pip install 'bapo-nemo[fp8]'` would find nothing
+        raise ExportError(f"--fp8 needs NVIDIA ModelOpt, which does not import here ({exc}): in the bapo-nemo "
+                          f"checkout run pip install -e '.[fp8]' (or pip install '{MODELOPT_REQUIREMENT}' into "
+                          "this environment)") from exc
     return mtq, export_hf_checkpoint
 
 
@@ -62,7 +67,7 @@ def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_
                progress=print) -> ExportResult:
     from transformers import AutoModelForCausalLM
 
-    mtq, export_hf_checkpoint = _import_modelopt()
+    mtq, export_hf_checkpoint = import_modelopt()
     model, tokenizer, info, _ = load_embedded(ref)
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
