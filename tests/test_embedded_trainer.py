@@ -168,16 +168,21 @@ def test_kill_and_resume_keeps_in_flight_segments_and_the_mlflow_run(tmp_path):
     assert model.config.hidden_size == 32 and tok.eos_token == "<eos>"
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)])
+def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_with_its_status(tmp_path, signum, exit_code):
+    """SIGTERM stops the run after its step with a checkpoint and exits 143 (128 + 15), as a shell reports a
+    process SIGTERM ended, so a script can tell it from a finished run; SIGUSR1, the batch job's requeue
+    request, exits 0 (the job script requeues on 0)."""
     config, out = _write_config(tmp_path), tmp_path / "run"
     proc = _launch(config, out, "grpo.max_num_steps=400", json_summary=False)
     _wait_for_checkpoint(proc, out, 2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == exit_code, stderr[-3000:]
     # the end in words: where it stopped, and the command that continues it
     lines = stdout.splitlines()
-    match = re.fullmatch(rf"stopped by SIGTERM at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
+    name = signal.Signals(signum).name
+    match = re.fullmatch(rf"stopped by {name} at step (\d+) of 400, checkpoint {re.escape(str(out))}/checkpoints/"
                          r"step_(\d+)", lines[0])
     assert match and match.group(1) == match.group(2), stdout
     assert f"  bapo-nemo train {config} grpo.max_num_steps=400 --output-dir {out} --resume   # continue where it stopped" \
@@ -205,7 +210,7 @@ def test_sigterm_during_the_warm_up_stops_it_and_a_rerun_starts_it_again_in_the_
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 143, stderr[-3000:]
     summary = json.loads(stdout[stdout.index("{") :])
     assert summary["stopped_by_signal"] == "SIGTERM" and summary["step"] == 0
     assert 0 <= summary["warmup_steps"] < 1000000

@@ -413,7 +413,7 @@ def test_second_run_into_a_locked_dir_refuses_and_the_first_is_untouched(tmp_pat
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 0, first_err[-3000:]
+    assert first.returncode == 143, first_err[-3000:]  # stopped by SIGTERM after a checkpoint: 128 + 15
     assert second.returncode == 2 and f"PID {first.pid}" in second.stderr, second.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(len(steps))), steps
@@ -479,8 +479,15 @@ def test_resume_with_no_intact_checkpoint_refuses_and_keeps_them(trained, tmp_pa
     assert tree_digest(run / "checkpoints") == before
 
 
-def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
-    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}, checkpointing={"save_period": 100}))
+def test_ctrl_c_checkpoints_exits_130_and_a_resume_without_the_progress_bar_is_the_same_run(tmp_path):
+    """Ctrl-C: the step finishes, a checkpoint is written, the MLflow run is KILLED and the exit status is 130
+    (128 + SIGINT), so a script can tell the stop from a finished run. The run had its progress bar on; the
+    resume is a batch job (--no-progress, and a larger --max-steps): the bar is a display setting, not a run
+    parameter, so the resume names only the step count among changed params, and the params never held it."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 500}, checkpointing={"save_period": 100},
+                                       runtime={"progress": True}))
     proc = start_training(cfg, tmp_path)
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
@@ -491,11 +498,22 @@ def test_ctrl_c_checkpoints_exits_0_and_marks_the_run_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "SIGINT" in stderr
     step = json.loads(stdout[stdout.index("{"):])["step"]
     assert 1 <= step < 500 and (tmp_path / "out" / "checkpoints" / f"step_{step}" / "COMPLETE").is_file()
     assert _mlflow_status(tmp_path / "out") == "KILLED"
+
+    resumed = bapo_nemo("train", str(cfg), "--output-dir", "out", "--resume", "--no-progress", "--max-steps",
+                        str(step + 1), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # --max-steps changes a run parameter (named, and kept as the run's tag); the bar's absence does not
+    assert f"resuming from step {step}" in resumed.stderr and "runtime.progress" not in resumed.stderr
+    assert "params changed since the run started (kept the old values): grpo.max_num_steps\n" in resumed.stderr
+    run_id = (tmp_path / "out" / "mlflow_run_id").read_text().strip()
+    run = MlflowClient(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}").get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["bapo.params_changed_on_resume"] == "grpo.max_num_steps"
+    assert "runtime.progress" not in run.data.params and run.data.params["runtime.num_threads"] == "1"
 
 
 def test_a_run_that_fails_is_marked_failed(tmp_path):

@@ -173,7 +173,7 @@ def test_resume_to_more_steps_replaces_hf_final_with_the_last_step(trained, tmp_
 def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(tmp_path):
     """`bapo-nemo train` in a real terminal (a pty, progress bar on), which is then closed: the kernel sends
     SIGHUP and every later write to the terminal fails. The run stops after the step, checkpoints, says so
-    in train.log and marks the MLflow run KILLED; exit 0."""
+    in train.log and marks the MLflow run KILLED; exit 129 (128 + SIGHUP)."""
     cfg = write_config(tmp_path, with_(runtime={"progress": True}, grpo={"max_num_steps": 500},
                                        checkpointing={"save_period": 100}, warmup={"steps": 1}))
     metrics = tmp_path / "out" / "metrics.jsonl"
@@ -202,7 +202,7 @@ def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(t
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
-    assert os.waitstatus_to_exitcode(ended[1]) == 0
+    assert os.waitstatus_to_exitcode(ended[1]) == 129
     log = (tmp_path / "out" / "train.log").read_text()
     assert "stopped by SIGHUP at step" in log, log[-2000:]
     step = int(log.split("stopped by SIGHUP at step ")[1].split()[0])

@@ -1,7 +1,8 @@
 """Stop signals of the embedded trainer.
 
 SIGTERM (kill, Slurm), SIGUSR1 (Slurm's pre-timeout signal), SIGINT (Ctrl-C) and SIGHUP (the terminal
-closed) ask the run to stop after the current step, with a checkpoint; a second Ctrl-C aborts at once.
+closed) ask the run to stop after the current step, with a checkpoint; a second Ctrl-C aborts at once. The
+process then exits with `exit_status` (non-zero but for the requeue request).
 The handlers are installed before set-up and kept until the MLflow run is closed, so a signal that arrives
 during set-up or the end-of-run work is recorded instead of killing the process with the run left RUNNING.
 
@@ -19,6 +20,19 @@ import threading
 from contextlib import contextmanager
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# SIGUSR1 is the requeue request (Slurm's --signal=USR1@<s>, relayed by slurm/lib/run_driver.sh): the wrapper
+# that sent it asked for exactly this ending, checkpoint and exit, and requeues the job when the exit is 0.
+REQUEUE_SIGNAL = "SIGUSR1"
+
+
+def exit_status(signal_name: str | None) -> int:
+    """The exit status of a run that ended (None: finished) or stopped on `signal_name` after its
+    checkpoint: 128 + the signal's number, as a shell reports a process a signal ended (130 for SIGINT, 143
+    for SIGTERM, 129 for SIGHUP), so a script can tell a stopped run from a finished one; 0 for the
+    requeue request."""
+    if signal_name is None or signal_name == REQUEUE_SIGNAL:
+        return 0
+    return 128 + signal.Signals[signal_name].value
 
 
 class StopFlag:

@@ -15,7 +15,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Train a tiny Qwen2 with GRPO + BAPO on the bundled arithmetic tasks, on one machine (CPU by "
         "default): supervised warm-up, partial rollouts, held-out avg@k/pass@k, MLflow tracking, "
-        "checkpoints. SIGTERM/SIGUSR1 checkpoint and exit 0."
+        "checkpoints. Ctrl-C, SIGTERM or SIGHUP stop after the current step with a checkpoint and exit 130, 143 "
+        "or 129 (128 + the signal); SIGUSR1, the requeue request of a batch job, checkpoints and exits 0."
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
@@ -52,8 +53,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit 0 when the run finished or stopped on a signal after a checkpoint; 2 on a user error (one line
-    on stderr naming the key or file and the fix)."""
+    """Exit 0 when the run finished (or stopped on the requeue request, SIGUSR1); 128 + the signal's number
+    when a signal stopped it after a checkpoint (130 for Ctrl-C, 143 for SIGTERM); 2 on a user error (one
+    line on stderr naming the key or file and the fix)."""
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"grpo.seed={args.seed}")
@@ -114,7 +116,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary))
     print(redact_text(ending))  # as summary.json holds it: no password of the tracking URI, no token
-    return 0
+    from bapo_nemo.embedded.stop_signals import exit_status
+
+    return exit_status(summary["stopped_by_signal"])
 
 
 def _ending(exc: BaseException) -> str:
