@@ -325,6 +325,19 @@ class RunConfig(_Section):
         return self.model_dump(mode="json")
 
 
+# Keys that change only what the console shows, never what a run computes: they are not run parameters
+# (MLflow params, the config hash), so resuming with --no-progress continues the same run without a word.
+DISPLAY_ONLY_KEYS = (("runtime", "progress"),)
+
+
+def run_params(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """`config_dict` without DISPLAY_ONLY_KEYS: what a run logs as its parameters."""
+    params = {section: dict(values) if isinstance(values, dict) else values for section, values in config_dict.items()}
+    for section, key in DISPLAY_ONLY_KEYS:
+        params.get(section, {}).pop(key, None)
+    return params
+
+
 # ---- loading -------------------------------------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML run config (None: all defaults), apply `key.sub=value` overrides, validate."""

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import RunConfig
+from bapo_nemo.embedded.config import RunConfig, run_params
 from bapo_nemo.embedded.evaluation import decode_response, evaluate
 from bapo_nemo.embedded.model import (
     DTYPES,
@@ -177,7 +177,8 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
         run_id=run_id,
         buffer_dir=output_dir / "mlflow_buffer",
     )
-    run_id = tracker.start(config_dict, {**default_tags(config_dict), "bapo.runtime": "embedded"})
+    params = run_params(config_dict)
+    run_id = tracker.start(params, {**default_tags(params), "bapo.runtime": "embedded"})
     (output_dir / "mlflow_run_id").write_text(run_id + "\n")
     keep_up_to = step if ckpt is not None else -1
     return _Run(
@@ -360,7 +361,7 @@ def _save(run: _Run, at_step: int) -> Path:
         "policy_version": learner.version,
         "mlflow_run_id": run.run_id,
         "mlflow_tracking_uri": run.tracking_uri,
-        "config_hash": config_hash(run.config_dict),
+        "config_hash": config_hash(run_params(run.config_dict)),
         "bapo": run.cfg.loss_fn.bapo.model_dump(mode="json"),
         "model_name": run.cfg.policy.model_name or MODEL_NAME,
         "last_eval": history["eval"][-1] if history["eval"] else None,
