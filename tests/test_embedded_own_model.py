@@ -413,6 +413,9 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
     assert json.loads((tmp_path / "runs" / "own_model" / "summary.json").read_text())["step"] == 1
     assert (tmp_path / "runs" / "own_model" / "hf_final" / "COMPLETE").is_file()
     assert "bf16 autocast" not in done.stderr
+    # own_model.yaml has no warm-up: the first held-out score is the model's as loaded
+    assert "held-out avg@1: " in done.stdout and " at the start (no warm-up) -> " in done.stdout
+    assert "warm-up" not in done.stdout.replace("(no warm-up)", ""), done.stdout
 
     gpu = [a for a in command if a not in cpu_settings]
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
-"""What `bapo-nemo train` prints when it ends: for a person (`summary_text`: the held-out score after the
-warm-up and at the end, where the plot and the final model are, and the commands to look at the run), or
-with `--json` for a program (`summary_record`; a finished run also keeps the trainer's whole summary in
-`<output_dir>/summary.json`).
+"""What `bapo-nemo train` prints when it ends: for a person (`summary_text`: the held-out score at the start
+of RL (after the warm-up, if any) and at the end, where the plot and the final model are, and the commands
+to look at the run), or with `--json` for a program (`summary_record`; a finished run also keeps the
+trainer's whole summary in `<output_dir>/summary.json`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def summary_text(summary: dict[str, Any], experiment: str, k: int, command: list
     lines = [_outcome(summary, record, out)]
     start, end = summary.get("eval_start"), summary.get("eval_end")
     if start is not None:
-        score = f"  held-out avg@{k}: {start['eval/avg_at_k']:.3f} after the warm-up"
+        when = "after the warm-up" if record["warmup_steps"] else "at the start (no warm-up)"
+        score = f"  held-out avg@{k}: {start['eval/avg_at_k']:.3f} {when}"
         if end is not None and end["step"] != start["step"]:
             delta = end["eval/avg_at_k"] - start["eval/avg_at_k"]
             score += f" -> {end['eval/avg_at_k']:.3f} at step {end['step']} ({delta:+.3f})"
