@@ -189,7 +189,7 @@ def _draw(lengths: LengthModel, rng: random.Random, n: int) -> list[int]:
     return [lengths.draw(rng) for _ in range(n)]
 
 
-def _engine_limit(shape: RolloutShape, lengths: LengthModel) -> LengthModel:
+def engine_limit(shape: RolloutShape, lengths: LengthModel) -> LengthModel:
     """Where each response's EOS falls; one token past max_model_len stands for "none before vLLM stops
     it there" (so an EOS exactly at the limit still ends the response)."""
     return replace(lengths, max_tokens=shape.max_model_len - shape.prompt_tokens + 1)
@@ -200,7 +200,7 @@ def simulate_without_partial(
 ) -> StepStats:
     """grpo_train's rollout: one generate call over P x G fresh prompts, max_tokens = max_new_tokens."""
     rng = random.Random(seed)
-    limit = _engine_limit(shape, lengths)
+    limit = engine_limit(shape, lengths)
     n = shape.prompts_per_step * shape.group_size
     totals = CallStats()
     seconds, engine_s, truncated, occupancy = 0.0, 0.0, 0, []
@@ -271,7 +271,7 @@ def simulate_partial(
 ) -> StepStats:
     """The hook's steady state (module docstring); `trace_step` counts from the first measured step."""
     rng = random.Random(seed)
-    limit = _engine_limit(shape, lengths)
+    limit = engine_limit(shape, lengths)
     pool = PartialRolloutPool(config, config.max_response_tokens or shape.max_new_tokens)
     room = shape.max_model_len - shape.prompt_tokens
     P, G = shape.prompts_per_step, shape.group_size
@@ -344,7 +344,7 @@ def simulate_validation(
     if n <= 0:
         return 0.0
     rng = random.Random(seed)
-    limit = _engine_limit(shape, lengths)
+    limit = engine_limit(shape, lengths)
     batch = shape.validation_batch or n
     seconds = 0.0
     for start in range(0, n, batch):
@@ -373,7 +373,7 @@ def response_moments(
     """E[s] and E[s^2] of a trained sequence (prompt + response cut at the response cap), by sampling:
     the work a step hands to training."""
     rng = random.Random(seed)
-    limit = _engine_limit(shape, lengths)
+    limit = engine_limit(shape, lengths)
     seqs = [shape.prompt_tokens + min(limit.draw(rng), shape.response_cap) for _ in range(draws)]
     return sum(seqs) / draws, sum(x * x for x in seqs) / draws
 

@@ -153,6 +153,28 @@ def forward_seconds(model: ModelShape, shape: StepShape, gpu: str) -> float:
     return flops / rate
 
 
+@dataclass(frozen=True)
+class TrainCost:
+    """The training GPUs' time for one rollout batch (log-prob passes + training), as forward_seconds
+    counts it per sequence: linear in its tokens (dense layers) and in their square (causal attention).
+    Async GRPO's simulation charges each batch its own sequences."""
+
+    per_token: float
+    per_token_squared: float
+
+    def seconds(self, sequence_tokens) -> float:
+        return sum(self.per_token * s + self.per_token_squared * s * s for s in sequence_tokens)
+
+
+def train_cost(model: ModelShape, shape: StepShape, gpu: str) -> TrainCost:
+    """forward_seconds per token and per squared token, times the log-prob and training passes."""
+    rate = shape.train_gpus * GPU_PEAK_BF16_FLOPS[gpu] * TRAIN_MFU * (FP8_TRAIN_SPEEDUP if shape.fp8_train else 1)
+    passes = shape.logprob_passes + (4 if shape.activation_recompute else 3)
+    return TrainCost(
+        passes * 2.0 * model.num_parameters() / rate, passes * 2.0 * model.num_layers * model.q_dim / rate
+    )
+
+
 def estimate_step_time(
     model: ModelShape,
     shape: StepShape,
