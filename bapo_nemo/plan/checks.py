@@ -1,7 +1,8 @@
 """Checks of a NeMo-RL v0.7.0 GRPO config for one cluster shape: what would otherwise fail (or silently
 misbehave) hours into a cluster job. Each finding names the key and the fix. `check_config` runs every
 rule: the layout's (cluster_plan.py builds the plan), the BAPO block's, the partial-rollout block's
-(partial_checks.py), batches, generation, the loss, checkpoints and paths (path_checks.py).
+(partial_checks.py), the async GRPO block's (async_checks.py), batches, generation, the loss, checkpoints
+and paths (path_checks.py).
 
 A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's defaults from
 `examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS` in bapo_nemo/plan/findings.py).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bapo_nemo.plan.async_checks import async_rules
 from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
@@ -32,6 +34,7 @@ def check_config(
     f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
     f += _bapo_block(config)
     f += partial_rollout_rules(config)
+    f += async_rules(config)
     if plan is not None:
         f += _parallel_rules(config, plan, model)
         f += _batch_rules(config, plan)
@@ -199,31 +202,6 @@ def _generation_rules(config: dict, plan: ClusterPlan | None, model: ModelShape 
                 "policy than the bf16/FP8 trainer: set loss_fn.use_importance_sampling_correction=true",
             )
         )
-    if bool(value(config, "grpo.async_grpo.enabled")):
-        if not is_corr:
-            f.append(
-                Finding(
-                    "error",
-                    "loss_fn.use_importance_sampling_correction",
-                    "async GRPO trains on stale rollouts: set it true",
-                )
-            )
-        if bool(value(config, "policy.generation.colocated.enabled")):
-            f.append(
-                Finding(
-                    "error",
-                    "policy.generation.colocated.enabled",
-                    "async GRPO needs dedicated generation GPUs: set it false and size colocated.resources",
-                )
-            )
-        if not bool(value(config, "policy.generation.vllm_cfg.async_engine")):
-            f.append(
-                Finding(
-                    "error",
-                    "policy.generation.vllm_cfg.async_engine",
-                    "async GRPO needs the async vLLM engine: set it true",
-                )
-            )
     vllm_tp = int(value(config, "policy.generation.vllm_cfg.tensor_parallel_size"))
     vllm_pp = int(value(config, "policy.generation.vllm_cfg.pipeline_parallel_size"))
     if model is not None and model.num_attention_heads % vllm_tp:
