@@ -14,9 +14,11 @@ from rich.table import Table
 from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
 from bapo_nemo.plan.checks import check_config
 from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import ConfigLoadError, get, load_nemo_config
+from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
 from bapo_nemo.plan.findings import Finding, value
+from bapo_nemo.plan.generation_print import generation_json, print_generation, print_modes, seconds_json
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
+from bapo_nemo.plan.mode_compare import ModeComparison, async_warnings, compare_modes
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
 from bapo_nemo.plan.search_stats import (
     DEFAULT_PASS_RATE_BETA,
@@ -28,7 +30,7 @@ from bapo_nemo.plan.search_stats import (
     read_lengths,
 )
 from bapo_nemo.plan.signal_lead import lead_warning, shipped_sbatch, signal_line
-from bapo_nemo.plan.step_plan import StepPlan, driver_state_gb, length_model, plan_step
+from bapo_nemo.plan.step_plan import StepPlan, length_model, plan_step
 from bapo_nemo.plan.step_time import DEFAULT_FS_WRITE_GBPS_PER_NODE
 
 
@@ -50,7 +52,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=_positive_int, required=True, help="nodes of the job (>= 1)")
     parser.add_argument("--gpus-per-node", type=_positive_int, required=True, help="GPUs per node (>= 1)")
     parser.add_argument(
-        "--gpu", choices=sorted(GPU_CAPACITY_GB), default="h100-80gb", help="GPU model (memory)"
+        "--gpu", choices=sorted(GPU_CAPACITY_GB), default="h100-80gb", help="GPU model (default: %(default)s)"
     )
     parser.add_argument(
         "--hf-config",
@@ -247,111 +249,24 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
     return config, findings, mem, plan
 
 
-def _seconds(est) -> dict:
-    return {
-        "generation": est.generation_s,
-        "logprob_passes": est.logprob_s,
-        "training": est.train_s,
-        "step": est.step_s,
-        "validation": est.validation_s,
-        "save": est.save_s,
-        "margin": est.margin_s,
-        "recommended_signal_lead": est.recommended_lead_s,
-        "bapo_step_granularity": est.bapo_s,
-        "bapo_share": est.bapo_share,
-    }
+def modes_check(args, config: dict, plan, step: StepPlan | None) -> tuple[ModeComparison | None, list[Finding]]:
+    """Sync, partial rollouts and async GRPO side by side on this cluster (plan/mode_compare.py)."""
+    if step is None or plan is None:
+        return None, []
+    try:
+        model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
+    except (UnknownModelError, OSError, KeyError, json.JSONDecodeError):
+        return None, []  # run_check reported it
+    comparison = compare_modes(config, plan, step, args.nodes, args.gpus_per_node, model, args.gpu, args.prompt_tokens)
+    return comparison, async_warnings(comparison)
 
 
-def _stats(report, stats) -> dict:
-    return {
-        "generated_tokens_per_s": stats.tokens_per_s,
-        "speedup": report.speedup(stats),
-        "generation_s": report.generation_s(stats),
-        "iterations_per_step": stats.iterations,
-        "prefill_share": stats.prefill_share,
-        "preemptions_per_step": stats.preemptions,
-        "staleness_mean": stats.staleness_mean,
-        "stale_token_share": stats.stale_token_share,
-        "truncated_share": stats.truncated_share,
-        "in_flight_responses": stats.in_flight_responses,
-        "in_flight_tokens": stats.in_flight_tokens,
-    }
-
-
-def generation_json(step: StepPlan) -> dict:
-    r = step.report
-    json_gb, ram_gb = driver_state_gb(step.state_tokens)
-    return {
-        "engines": r.shape.engines,
-        "kv_cache_tokens_per_engine": r.shape.engine.kv_tokens,
-        "response_tokens_mean": r.response_tokens,
-        "without_partial_rollouts": _stats(r, r.without),
-        "configured": None if r.configured is None else _stats(r, r.configured),
-        "budget_sweep": {str(b): _stats(r, s) for b, s in r.sweep.items()},
-        "best_budget": r.best_budget,
-        "prefill_batches": r.prefill_batches,
-        "step_time_without_partial_rollouts_s": _seconds(step.without),
-        "step_time_best_budget_s": None if step.best is None else _seconds(step.best),
-        "partial_rollout_state_gb": {"checkpoint_json": json_gb, "driver_memory": ram_gb},
-    }
-
-
-def print_generation(console: Console, step: StepPlan, config: dict, args) -> None:
-    r, shape = step.report, step.report.shape
-    gpus = shape.engines * shape.engine.gpus
-    lengths = (
-        f"every sample at {args.mean_length_share:g} x max_total_sequence_length"
-        if args.mean_length_share is not None
-        else "measured lengths from " + args.response_lengths
-        if args.response_lengths
-        else f"log-normal median {args.response_length_median:g}, sigma {args.response_length_sigma:g}"
-    )
-    console.print(
-        f"generation model (simulated continuous batching, a planning figure): {shape.engines} vLLM engines of "
-        f"{shape.engine.gpus} GPUs, KV cache {shape.engine.kv_tokens:,} tokens each "
-        f"({shape.engine.kv_tokens // shape.max_model_len} sequences at max_model_len); responses {lengths}: "
-        f"mean {r.response_tokens:,.0f} tokens, cap {shape.response_cap:,}"
-    )
-
-    def line(label, stats, est) -> str:
-        return (
-            f"  {label}: {stats.tokens_per_s:,.0f} generated tokens/s ({stats.tokens_per_s / gpus:,.0f}/GPU, "
-            f"{r.speedup(stats):.2f}x), generation {est.generation_s:.0f}s, step {est.step_s:.0f}s"
-        )
-
-    console.print(line("without partial rollouts", r.without, step.without))
-    if r.configured is not None:
-        c = r.configured
-        console.print(
-            line(f"with this config's partial rollouts (token_budget {r.configured_budget}, prefill_batches "
-                 f"{r.prefill_batches})", c, step.configured)
-            + f"; tokens {c.staleness_mean:.1f} policy versions old on average ({c.stale_token_share:.0%} from "
-            f"older policies), prefill {c.prefill_share:.0%} of engine time, {c.preemptions:,.0f} preemptions "
-            "per step"
-        )
-        json_gb, ram_gb = driver_state_gb(step.state_tokens)
-        console.print(
-            f"  partial-rollout state: ~{c.in_flight_responses:,.0f} responses, {step.state_tokens / 1e6:.1f}M "
-            f"tokens in flight after a step: partial_rollouts.json ~{json_gb:.2f} GB per checkpoint (in the "
-            f"save time), ~{ram_gb:.1f} GB of driver memory"
-        )
-    if r.sweep:
-        rest = step.without.logprob_s + step.without.train_s
-        cells = ", ".join(
-            f"{b}: {s.tokens_per_s:,.0f} tok/s, step {r.generation_s(s) + rest:.0f}s" for b, s in r.sweep.items()
-        )
-        console.print(
-            f"  token_budget sweep (prefill_batches {r.prefill_batches}, max_resumptions to the cap): {cells}; "
-            f"best {r.best_budget}"
-        )
-    est = step.estimate
-    if est.bapo_s > 0:
-        console.print(
-            f"BAPO's own cost (granularity step's extra log-prob passes, step_bounds_sample "
-            f"{(get(config, 'loss_fn.bapo') or {}).get('step_bounds_sample', 1)}): {est.bapo_s:.0f}s = "
-            f"{est.bapo_share:.1%} of the step"
-            + (f" ({step.without.bapo_share:.1%} without partial rollouts)" if step.configured else "")
-        )
+def lengths_label(args) -> str:
+    if args.mean_length_share is not None:
+        return f"every sample at {args.mean_length_share:g} x max_total_sequence_length"
+    if args.response_lengths:
+        return "measured lengths from " + args.response_lengths
+    return f"log-normal median {args.response_length_median:g}, sigma {args.response_length_sigma:g}"
 
 
 def main(args) -> int:
@@ -362,7 +277,8 @@ def main(args) -> int:
         console.print(f"[bold red]error[/]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 1
     step, step_findings = step_time_check(args, config, plan)
-    findings = findings + step_findings
+    comparison, mode_findings = modes_check(args, config, plan, step)
+    findings = findings + step_findings + mode_findings
     errors = [x for x in findings if x.level == "error"]
     stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
     cost = step_cost(args, config, plan)
@@ -387,8 +303,8 @@ def main(args) -> int:
                     },
                     "bound_search": None if stats is None else stats.__dict__,
                     "step_granularity_cost": None if cost is None else cost.__dict__,
-                    "step_time_s": None if step_time is None else _seconds(step_time),
-                    "generation": None if step is None else generation_json(step),
+                    "step_time_s": None if step_time is None else seconds_json(step_time),
+                    "generation": None if step is None else generation_json(step, comparison),
                 },
                 indent=2,
             )
@@ -436,11 +352,15 @@ def main(args) -> int:
             f"(<= {cost.share_of_step:.1%} of the step with generation); the LR scheduler ticks per optimizer step"
         )
     if step is not None:
-        print_generation(console, step, config, args)
+        print_generation(console, step, config, lengths_label(args))
+    if comparison is not None:
+        print_modes(console, comparison)
     if step_time is not None:
+        mode = " with its partial rollouts" if step.configured else " with async GRPO" if step.own_async else ""
+        waiting = "waiting for generation and the weight update" if step.own_async else "generation"
         console.print(
-            f"estimated step time (this config{' with its partial rollouts' if step.configured else ''}; a "
-            f"planning figure): {step_time.step_s:.0f}s = generation {step_time.generation_s:.0f}s + log-prob "
+            f"estimated step time (this config{mode}; a planning figure): {step_time.step_s:.0f}s = {waiting} "
+            f"{step_time.generation_s:.0f}s + log-prob "
             f"passes {step_time.logprob_s:.0f}s + training {step_time.train_s:.0f}s; validation adds "
             f"{step_time.validation_s:.0f}s; checkpoint save {step_time.save_s:.0f}s at "
             f"{args.fs_write_gbps:g} GB/s per node"

@@ -1,12 +1,20 @@
 """One GRPO step of a config on a cluster plan, end to end: the response-length model, the simulated
 generation (plan/generation_check.py) with and without partial rollouts, the log-prob and training time
 and the save (plan/step_time.py), BAPO's share of it, and the partial-rollout state a checkpoint carries.
+An async GRPO config's step is its own setting simulated on its split (plan/async_generation.py).
 `bapo-nemo check` prints it; the signal lead is sized from the config's own choice."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from bapo_nemo.plan.async_generation import (
+    REPLAY_BYTES_PER_TOKEN,
+    AsyncSetting,
+    AsyncStats,
+    simulate_async,
+    transfer_seconds,
+)
 from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import GenerationModelError
@@ -29,7 +37,10 @@ from bapo_nemo.plan.step_time import (
     StepTimeEstimate,
     estimate_step_time,
     shape_from_config,
+    train_cost,
 )
+
+ASYNC_SIMULATED_STEPS = 8
 
 
 @dataclass
@@ -41,11 +52,13 @@ class StepPlan:
     configured: StepTimeEstimate | None  # the config's partial_rollouts block
     best: StepTimeEstimate | None  # the sweep's best budget
     tokens_per_sample: float  # prompt + response, mean
+    own_async: AsyncStats | None = None  # an async GRPO config: its setting on its split
+    async_estimate: StepTimeEstimate | None = None  # and its step
 
     @property
     def estimate(self) -> StepTimeEstimate:
         """The config's own choice: what its job will run."""
-        return self.configured or self.without
+        return self.async_estimate or self.configured or self.without
 
     @property
     def state_tokens(self) -> float:
@@ -77,6 +90,7 @@ def plan_step(
     if findings:
         return None, findings
     partial = partial_setting(config)
+    sweep = sweep and AsyncSetting.of_config(config) is None
     try:
         report = generation_report(shape, lengths, partial[0] if partial else None, partial[1] if partial else 1, sweep)
     except GenerationModelError as exc:
@@ -91,6 +105,22 @@ def plan_step(
         )
 
     without = estimate(report.without, report.validation_without_s)
+    setting = AsyncSetting.of_config(config)
+    if setting is not None and plan.generation_gpus:
+        try:
+            own = simulate_async(shape, lengths, setting, train_cost(model, step, gpu), transfer_seconds(model),
+                                 steps=ASYNC_SIMULATED_STEPS)
+        except GenerationModelError as exc:
+            return None, [Finding("error", "policy.generation.vllm_cfg.gpu_memory_utilization", str(exc))]
+        # The trainer's step: its own passes, plus what it waits for (NeMo-RL's exposed generation) and the
+        # weight update; each checkpoint also writes the replay buffer.
+        passes = without.logprob_s + without.train_s
+        async_estimate = estimate_step_time(
+            model, step, gpu, nodes, max(0.0, own.step_s - passes), report.validation_without_s, fs_write_gbps,
+            extra_save_bytes=own.buffer_tokens * REPLAY_BYTES_PER_TOKEN,
+        )
+        result = StepPlan(shape, lengths, report, without, None, None, mean, own, async_estimate)
+        return result, []  # partial rollouts do not run with async GRPO (async_checks.py)
     configured = None
     if report.configured is not None:
         configured = estimate(report.configured, report.validation_configured_s, report.configured.in_flight_tokens)
