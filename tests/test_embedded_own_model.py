@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -30,11 +31,13 @@ from transformers import (
 from bapo_nemo.embedded.config import load_config
 from bapo_nemo.embedded.data import DataError, load_data, math_verify_reward
 from bapo_nemo.embedded.evaluation import encode_prompt
-from bapo_nemo.embedded.model import ModelLoadError
+from bapo_nemo.embedded.startup_problems import StartupError
 from bapo_nemo.embedded.task_source import task_source
 from bapo_nemo.embedded.trainer import train
 from tests import cli_process
 from tests.hang_guard import HANG_GUARD_S
+
+REPO = Path(__file__).resolve().parents[1]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -78,7 +81,7 @@ FAMILIES = {
 }
 
 
-def save_tiny_model(family: str, where: Path) -> Path:
+def save_tiny_model(family: str, where: Path, window: int = 128, name: str | None = None) -> Path:
     config_cls, model_cls, tok_kwargs = FAMILIES[family]
     tok = make_tokenizer(**tok_kwargs)
     config = config_cls(
@@ -88,14 +91,14 @@ def save_tiny_model(family: str, where: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=window,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    path = where / f"tiny-{family}"
+    path = where / (name or f"tiny-{family}")
     model_cls(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -289,7 +292,7 @@ def test_bad_input_names_the_key_or_file(tmp_path):
     # a directory that is not a model
     (tmp_path / "not_a_model").mkdir()
     cfg = run_config(tmp_path, tmp_path / "not_a_model", data)
-    with pytest.raises(ModelLoadError, match="policy.model_name=.*not a model directory"):
+    with pytest.raises(StartupError, match="policy.model_name=.*not a model directory"):
         train(cfg, tmp_path / "run")
 
 
@@ -432,6 +435,142 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
     assert bad.stderr.startswith("note: policy.precision=bfloat16 on CPU: every forward runs under bf16")
     assert bad.stderr.strip().splitlines()[-1].startswith("error: policy.model_name=")
     assert "not a model directory" in bad.stderr
+
+
+def test_the_readme_own_model_command_on_a_small_dataset_names_every_problem_at_once_with_values_that_work(
+        tmp_path):
+    """The README's own-model command on 30 rows and a local model with a 256-token window: own_model.yaml
+    holds 64 rows out and allows 1024-token responses, so it cannot start. Both problems come in one
+    message, each with a value that works (a fifth of the rows held out; the window minus the longest
+    prompt, computed here with transformers' own chat template), and the same command with exactly those
+    values appended then trains. Paths that name nothing are said together too, before anything loads."""
+    import re
+
+    readme = readme_own_model_command()
+    model_dir = save_tiny_model("qwen2", tmp_path, window=256, name="tiny_model")
+    (tmp_path / "configs").symlink_to(Path(__file__).resolve().parents[1] / "configs")
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(1, 7) for b in range(1, 6)]
+    (tmp_path / "my_math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    command = [*readme[1:], "--no-progress"]
+    command[command.index("policy.model_name=Qwen/Qwen2.5-0.5B-Instruct")] = f"policy.model_name={model_dir}"
+
+    def run(*argv: str):
+        return cli_process.run(*argv, cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)
+
+    refused = run(*command)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "error: 2 problems stop this run before it starts:" in refused.stderr
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    template = yaml.safe_load((tmp_path / "configs" / "own_model.yaml").read_text())["data"]["prompt_template"]
+    longest = max(len(tok.apply_chat_template([{"role": "user", "content": template.replace("{prompt}", r["question"])}],
+                                              tokenize=True, add_generation_prompt=True)["input_ids"]) for r in rows)
+    fits = 256 - longest
+    assert ("data.eval_size=64 holds out every prompt of data.train.data_path=my_math.jsonl (30 usable rows"
+            in refused.stderr and "set data.eval_size=6 (a fifth of them)" in refused.stderr)
+    assert (f"partial_rollouts.max_response_tokens=1024 leaves no room for a prompt in the model's context window "
+            f"of 256 tokens: set partial_rollouts.max_response_tokens={fits} or lower (the longest prompt is "
+            f"{longest} tokens); partial_rollouts.token_budget=256 would then turn partial rollouts off") in refused.stderr
+    assert not (tmp_path / "runs" / "own_model" / "checkpoints").exists()
+
+    suggested = re.findall(r"set (\S+=\d+)|e\.g\. (\S+=\d+)", refused.stderr)
+    fixes = [a or b for a, b in suggested]
+    assert fixes == ["data.eval_size=6", f"partial_rollouts.max_response_tokens={fits}",
+                     f"partial_rollouts.token_budget={fits // 4}"]
+    one_short_step = ["grpo.num_generations_per_prompt=2", "grpo.num_prompts_per_step=2",
+                      "partial_rollouts.max_in_flight_groups=4", "grpo.max_num_steps=1", "eval.k=1"]
+    done = run(*command, *fixes, *one_short_step)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "own_model" / "summary.json").read_text())
+    assert summary["step"] == 1 and summary["eval_end"]["step"] == 1
+
+    # nothing loads while a path names nothing: the missing model directory and dataset are said together
+    missing = run(*command, "policy.model_name=./own/tiny_model", "data.train.data_path=my_maths.jsonl",
+                  "--output-dir", "runs/typo")
+    assert missing.returncode == 2, missing.stderr[-3000:]
+    assert "error: 2 problems stop this run before it starts:" in missing.stderr
+    assert f"policy.model_name='./own/tiny_model': no such directory ({tmp_path}/own/tiny_model does not exist" \
+        in missing.stderr
+    assert "data.train.data_path: my_maths.jsonl does not exist" in missing.stderr
+
+
+def save_bundled_tokenizer_model(where: Path) -> Path:
+    """A Qwen2 model saved with the bundled character tokenizer beside it, as a user would make one: its
+    config.json says qwen2, so transformers 5 loads that tokenizer as Qwen2Tokenizer, which drops letters
+    and spaces instead of mapping them to <unk>."""
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(where / "char-qwen2")
+    tokenizer.save_pretrained(where / "char-qwen2")
+    return where / "char-qwen2"
+
+
+def test_text_the_loaded_tokenizer_drops_is_refused_by_round_trip_whatever_its_class(tmp_path):
+    """Word problems and an English template with the bundled vocabulary reloaded as Qwen2Tokenizer: the
+    letters are not turned into <unk> but dropped (`What is 1 plus 1?` comes back as `11?`), so looking for
+    <unk> saw nothing and the run trained on digits alone. The round trip catches both the rows (skipped and
+    counted, here all of them) and the template, in one message; rows of digits and signs with the same
+    model train."""
+    model_dir = save_bundled_tokenizer_model(tmp_path)
+    assert type(AutoTokenizer.from_pretrained(model_dir)).__name__ == "Qwen2Tokenizer"  # the premise
+    words = [{"question": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 4)]
+    (tmp_path / "words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in words))
+    settings = [f"policy.model_name={model_dir}", "data.eval_size=4", "warmup.steps=0", "grpo.max_num_steps=1",
+                "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "eval.k=1",
+                "partial_rollouts.token_budget=8", "partial_rollouts.max_response_tokens=16",
+                "partial_rollouts.max_in_flight_groups=4", "--no-progress"]
+    refused = cli_process.run("train", str(REPO / "configs" / "local_cpu.yaml"), "data.train.data_path=words.jsonl",
+                              "data.prompt_template=Question {prompt}", *settings, "--output-dir", "words",
+                              cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "2 problems stop this run before it starts" in refused.stderr
+    assert ("data.prompt_template has characters the tokenizer cannot represent: ' Qeinostu' ('Question ' comes "
+            "back from Qwen2Tokenizer as '')") in refused.stderr
+    assert ("words.jsonl: skipped 27 malformed row(s) of 27 (row 0: prompt has characters the tokenizer cannot "
+            "represent: ' Wahilpstu' ('What is 1 plus 1?' comes back from Qwen2Tokenizer as '11?')") in refused.stderr
+
+    sums = [{"question": f"{a}+{b}?", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 4)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sums))
+    done = cli_process.run("train", str(REPO / "configs" / "local_cpu.yaml"), "data.train.data_path=sums.jsonl",
+                           *settings, "--output-dir", "sums", cwd=tmp_path, env=cli_process.cli_env(),
+                           timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "malformed" not in done.stderr
+
+
+def test_numbers_as_answers_are_read_as_written(tmp_path):
+    """A JSONL whose answers mix 2 and 2.0 (`datasets` reads that column as floats, so every answer came back
+    as "2.0" and a '.' the bundled tokenizer has not: the file was refused whole): each answer is read as
+    written, an integral float as that integer; a real decimal (2.5) keeps its point and is the one row
+    skipped. The answers the run trains on are the integers, as its logged sample table shows."""
+    from mlflow.tracking import MlflowClient
+
+    rows = [{"question": f"{a}+{b}?", "answer": (a + b) if a % 2 else float(a + b)}
+            for a in range(1, 9) for b in range(1, 3)] + [{"question": "5-2?", "answer": 2.5}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert '"answer": 3.0' in (tmp_path / "mixed.jsonl").read_text()  # the premise: integral floats as written
+    done = cli_process.run(
+        "train", str(REPO / "configs" / "local_cpu.yaml"), "data.train.data_path=mixed.jsonl", "data.eval_size=2",
+        "data.reward=arithmetic", "warmup.steps=0", "grpo.max_num_steps=1", "grpo.num_prompts_per_step=8",
+        "grpo.num_generations_per_prompt=2", "eval.k=1", "partial_rollouts.max_in_flight_groups=8",
+        "tracking.samples_every=1", "tracking.num_samples=8", "--no-progress", "--output-dir", "run",
+        cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("mixed.jsonl: skipped 1 malformed row(s) of 17 (row 16: answer has characters the tokenizer cannot "
+            "represent: '.' ('2.5' comes back from") in done.stderr
+    run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    table = json.loads(Path(client.download_artifacts(run_id, "samples/step_000001.json", str(tmp_path))).read_text())
+    samples = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(samples) == 8
+    for sample in samples:
+        a, b = sample["prompt"].rstrip("?").split("+")
+        assert sample["answer"] == str(int(a) + int(b))
 
 
 REWARD_MODULE = '''

@@ -219,6 +219,19 @@ def _letters_in_data(tmp: Path) -> list[str]:
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
+def _missing_model_dir(given: Callable[[Path], str]) -> Callable[[Path], list[str]]:
+    """`policy.model_name` set to a path that does not exist, beside a saved model the user meant."""
+    def setup(tmp: Path) -> list[str]:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=22, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96)
+        Qwen2ForCausalLM(config).save_pretrained(tmp / "own" / "tiny-qwen2")
+        return ["train", str(write_config(tmp, with_(policy={"model_name": given(tmp)}))), "--output-dir",
+                str(tmp / "out")]
+    return setup
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -274,6 +287,19 @@ CASES = [
     Case("text the bundled tokenizer cannot represent", _letters_in_data, 2,
          ["words.jsonl: skipped 27 malformed row(s) of 27", "prompt has characters the tokenizer cannot represent",
           "data.max_bad_fraction"]),
+    # a path that does not exist is a missing directory, whether written relative or absolute, never a hub id
+    Case("own model directory that does not exist (relative)", _missing_model_dir(lambda tmp: "./own/tiny_model"), 2,
+         ["policy.model_name='./own/tiny_model': no such directory", "own/tiny_model does not exist",
+          "model directories in", "own: tiny-qwen2", "directory written by save_pretrained"]),
+    Case("own model directory that does not exist (absolute)",
+         _missing_model_dir(lambda tmp: str(tmp / "models" / "tiny_model")), 2,
+         ["no such directory", "models/tiny_model does not exist", "or at a hub id such as"]),
+    # answers read as written: 2.5 is "2.5" (a '.' the bundled tokenizer has not), 2.0 is 2
+    Case("task file answers with a decimal point", _tasks_file(GOOD_ROWS[:5] + [{"question": "1+1?", "answer": 2.0},
+                                                                           {"question": "2+2?", "answer": 2.5},
+                                                                           {"question": "3+3?", "answer": 0.0001}]), 2,
+         [("skipped 2 malformed row(s) of 8 (line 7: answer has characters outside the vocabulary: '.'; line 8: "
+           "answer has characters outside the vocabulary: '.')")]),
     Case("check --gpus-per-node -1", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1",
                                                   "--gpus-per-node", "-1"], 2, ["--gpus-per-node: must be >= 1"]),
 ]

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bapo_nemo.embedded.run_log import LOGGER
-from bapo_nemo.embedded.tasks import Task, TaskFileError, unscorable_answer
+from bapo_nemo.embedded.tasks import Task, TaskFileError, answer_text, unscorable_answer
+from bapo_nemo.embedded.text_checks import representation_problem
 
 log = logging.getLogger(LOGGER)
 
@@ -35,35 +36,49 @@ class DataError(TaskFileError):
     """A dataset is unusable; the message names the key or file and what to fix."""
 
 
-def load_data(data_cfg, seed: int, row_problem: Callable[[Task], str | None] | None = None
-              ) -> tuple[list[Task], list[Task]]:
+# (prompt, answer, solution) of a row, as written -> what else makes it unusable (None: nothing)
+RowProblem = Callable[[str, str, "str | None"], "str | None"]
+
+
+def load_data(data_cfg, seed: int, row_problem: RowProblem | None = None) -> tuple[list[Task], list[Task]]:
     """Training and held-out tasks. Without `data.validation.data_path`, `data.eval_size` rows of the
-    training source are held out (a seeded draw) and never trained on. `row_problem(task)` says what else
-    makes a row unusable (e.g. `unrepresentable_text`); such rows count as malformed."""
+    training source are held out (a seeded draw) and never trained on. `row_problem` says what else makes
+    a row unusable (e.g. text the tokenizer cannot represent); such rows count as malformed."""
     train = load_tasks(data_cfg.train.data_path, data_cfg, data_cfg.train.split, "train.data_path", row_problem)
     if data_cfg.validation.data_path:
         held_out = load_tasks(data_cfg.validation.data_path, data_cfg, data_cfg.validation.split,
                               "validation.data_path", row_problem)
         return train, held_out
+    problem = held_out_size_problem(train, data_cfg.eval_size, seed, data_cfg.train.data_path)
+    if problem is not None:
+        raise DataError(problem)
     return split_held_out(train, data_cfg.eval_size, seed)
 
 
 def split_held_out(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[Task], list[Task]]:
     """(train, held-out): `eval_size` tasks drawn with `seed`; every prompt of the held-out set leaves the
     training set (duplicated prompts included), so held-out accuracy measures unseen prompts."""
-    if eval_size >= len(tasks):
-        raise DataError(
-            f"data.eval_size={eval_size} leaves no training rows (the source has {len(tasks)} usable rows): "
-            "lower data.eval_size or set data.validation.data_path"
-        )
-    picked = random.Random(seed).sample(range(len(tasks)), eval_size)
+    picked = random.Random(seed).sample(range(len(tasks)), min(eval_size, len(tasks)))
     held_out = [tasks[i] for i in sorted(picked)]
     questions = {t.question for t in held_out}
     return [t for t in tasks if t.question not in questions], held_out
 
 
-def load_tasks(path: str, data_cfg, split: str, key: str,
-               row_problem: Callable[[Task], str | None] | None = None) -> list[Task]:
+def held_out_size_problem(tasks: list[Task], eval_size: int, seed: int, source: str) -> str | None:
+    """Why holding `data.eval_size` rows out of `tasks` leaves nothing to train on, with a value that
+    leaves enough (a fifth of the rows, checked with the run's own draw), or None."""
+    if split_held_out(tasks, eval_size, seed)[0]:
+        return None
+    works = next((n for n in (len(tasks) // 5, len(tasks) // 10, 1) if n >= 1 and split_held_out(tasks, n, seed)[0]),
+                 None)
+    fix = (f"set data.eval_size={works} (a {'fifth' if works == len(tasks) // 5 else 'smaller share'} of them)"
+           if works is not None else "its rows all share one prompt, so hold none out")
+    return (f"data.eval_size={eval_size} holds out every prompt of data.train.data_path={source} ({len(tasks)} "
+            f"usable rows; every copy of a held-out prompt leaves training), so none is left to train on: {fix}, "
+            "or put held-out rows in a file of their own (data.validation.data_path)")
+
+
+def load_tasks(path: str, data_cfg, split: str, key: str, row_problem: RowProblem | None = None) -> list[Task]:
     """Tasks from one source, fields mapped by `data_cfg`; `key` names the config key in messages."""
     rows = _read_rows(Path(path), split, key)
     columns = list(rows.column_names)
@@ -85,13 +100,12 @@ def load_tasks(path: str, data_cfg, split: str, key: str,
             bad.append((index, problem))
             continue
         prompt, answer, solution = problem
-        question = data_cfg.prompt_template.replace("{prompt}", prompt)
-        task = Task(f"{stem}-{index}", question, answer, solution, {"row": index})
-        problem = row_problem(task) if row_problem is not None else None
+        problem = row_problem(prompt, answer, solution) if row_problem is not None else None
         if problem is not None:
             bad.append((index, problem))
             continue
-        tasks.append(task)
+        question = data_cfg.prompt_template.replace("{prompt}", prompt)
+        tasks.append(Task(f"{stem}-{index}", question, answer, solution, {"row": index}))
     _report_bad_rows(path, bad, len(rows), data_cfg.max_bad_fraction)
     if not tasks:
         raise DataError(f"{path} holds no usable rows")
@@ -106,14 +120,19 @@ def _with_prompt_column(data_cfg, columns: list[str]):
     return data_cfg.model_copy(update={"default": data_cfg.default.model_copy(update={"input_key": column})})
 
 
+def source_path_problem(path: str, key: str) -> str | None:
+    """`data.<key>` names nothing on disk (known before anything is loaded), or None."""
+    if Path(path).exists():
+        return None
+    return f"data.{key}: {path} does not exist (a .parquet/.json/.jsonl/.csv/.arrow file or a directory)"
+
+
 def _read_rows(path: Path, split: str, key: str):
     import datasets
 
     datasets.disable_progress_bars()
-    if not path.exists():
-        raise DataError(
-            f"data.{key}: {path} does not exist (a .parquet/.json/.jsonl/.csv/.arrow file or a directory)"
-        )
+    if (problem := source_path_problem(str(path), key)) is not None:
+        raise DataError(problem)
     try:
         if path.is_dir() and (
             (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
@@ -166,12 +185,14 @@ def _one_kind_of_data_files(path: Path, key: str) -> None:
 
 def _check_row(row: dict, data_cfg):
     """(prompt, answer, solution) or a string saying what is wrong with the row."""
-    prompt, answer = row.get(data_cfg.default.input_key), row.get(data_cfg.default.output_key)
+    prompt = row.get(data_cfg.default.input_key)
     if not isinstance(prompt, str) or not prompt.strip():
         return f"{data_cfg.default.input_key!r} is not a non-empty string"
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer.strip():
+    try:
+        answer = answer_text(row.get(data_cfg.default.output_key))  # as written: 2 and 2.0 are "2"
+    except ValueError as exc:
+        return str(exc)
+    if answer is None or not answer.strip():
         return f"{data_cfg.default.output_key!r} is empty or not a string/number"
     if data_cfg.reward == "arithmetic" and unscorable_answer(answer.strip()):
         return unscorable_answer(answer.strip())
@@ -194,33 +215,27 @@ def _report_bad_rows(path, bad: list[tuple[int, str]], rows: int, max_bad_fracti
     warnings.warn(message, stacklevel=3)
 
 
-def unrepresentable_text(tokenizer, prompt_template: str) -> Callable[[Task], str | None]:
-    """A `row_problem` for `load_data`: the row's prompt, answer or solution holds characters `tokenizer`
-    cannot represent (they would become its unknown token: the bundled character tokenizer knows digits and
-    arithmetic signs only). Raises DataError when the template itself holds some."""
-    unk = tokenizer.unk_token_id
+def unrepresentable_rows(tokenizer) -> RowProblem:
+    """A `row_problem` for `load_data`: the row's prompt, answer or solution does not survive the round trip
+    through `tokenizer` (text_checks.py: the bundled character tokenizer turns letters into its unknown
+    token; another class may drop them)."""
 
-    def foreign(text: str) -> str:
-        if unk is None or unk not in tokenizer.encode(text, add_special_tokens=False):
-            return ""
-        return "".join(sorted(c for c in set(text) if unk in tokenizer.encode(c, add_special_tokens=False)))
-
-    in_template = foreign(prompt_template.replace("{prompt}", ""))
-    if in_template:
-        raise DataError(
-            f"data.prompt_template has characters the tokenizer cannot represent ({in_template!r} would become "
-            f"{tokenizer.unk_token}): use a model whose tokenizer knows them (policy.model_name), or a template "
-            "without them"
-        )
-
-    def problem(task: Task) -> str | None:
-        for name, text in (("prompt", task.question), ("answer", task.answer), ("solution", task.solution or "")):
-            chars = foreign(text)
-            if chars:
-                return f"{name} has characters the tokenizer cannot represent: {chars!r}"
+    def problem(prompt: str, answer: str, solution: str | None) -> str | None:
+        for name, text in (("prompt", prompt), ("answer", answer), ("solution", solution or "")):
+            if (why := representation_problem(tokenizer, text, name)) is not None:
+                return why
         return None
 
     return problem
+
+
+def template_problem(tokenizer, prompt_template: str) -> str | None:
+    """`data.prompt_template`'s own text does not survive the round trip through `tokenizer`, or None."""
+    why = representation_problem(tokenizer, prompt_template.replace("{prompt}", ""), "data.prompt_template")
+    if why is None:
+        return None
+    return (f"{why}: use a model whose tokenizer knows them (policy.model_name), or a template without them "
+            'such as "{prompt}"')
 
 
 # ---- prompts that do not fit ------------------------------------------------------------------------------

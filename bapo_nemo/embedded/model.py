@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -63,24 +64,94 @@ class ModelLoadError(ValueError):
     """`policy.model_name` does not name a loadable causal LM; the message says what was found."""
 
 
+EXAMPLE_HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def model_path_problem(name: str) -> str | None:
+    """What is wrong with `policy.model_name`, as far as the filesystem tells without loading anything: a
+    directory without config.json, or a value that can only be a path (it is not a valid hub id: it starts
+    with / ./ ../ ~, or has more than one /) and does not exist. None: it may load."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if (path / "config.json").is_file():
+            return None
+        return (f"policy.model_name={name!r}: {path} is not a model directory (no config.json); point it at a "
+                "directory written by save_pretrained, or a hub id")
+    if is_hub_id(name):
+        return None  # a hub id, or a local path with a typo: only loading tells
+    return (f"policy.model_name={name!r}: no such directory ({path.resolve()} does not exist{_models_near(path)}): "
+            f"point it at a directory written by save_pretrained, or at a hub id such as {EXAMPLE_HUB_ID}")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a Hugging Face hub id (`org/name` or `name`)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _models_near(path: Path) -> str:
+    """The model directories in the deepest existing parent of a missing `path` (a typo's likely target)."""
+    parent = path.resolve().parent
+    while not parent.is_dir():
+        parent = parent.parent
+    try:
+        models = sorted(p.name for p in parent.iterdir() if (p / "config.json").is_file())
+    except OSError:
+        return ""
+    if not models:
+        return ""
+    shown = ", ".join(models[:5]) + (" ..." if len(models) > 5 else "")
+    return f"; model directories in {parent}: {shown}"
+
+
 def load_pretrained(name: str, dtype: str):
     """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A local directory must hold a model
-    (config.json); anything else is taken as a hub id, which needs the network."""
+    (config.json), a path must exist (`model_path_problem`); anything else is taken as a hub id, which needs
+    the network."""
     from transformers import AutoModelForCausalLM
 
+    problem = model_path_problem(name)
+    if problem is not None:
+        raise ModelLoadError(problem)
     path = Path(name).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise ModelLoadError(
-            f"policy.model_name={name!r}: {path} is not a model directory (no config.json); point it at a "
-            "directory written by save_pretrained, or a hub id"
-        )
     try:
         return AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=DTYPES[dtype])
     except (OSError, ValueError) as exc:
-        where = "the local directory" if path.exists() else "the hub (is the network reachable?)"
+        # a hub-shaped name that is not here either: say both, since it may be a mistyped local directory
+        where = ("the local directory" if path.exists() else
+                 f"the hub (is the network reachable?), and there is no local directory {path.resolve()}")
         raise ModelLoadError(
             f"policy.model_name={name!r}: cannot load a causal LM from {where}: {str(exc).splitlines()[0]}"
         ) from None
+
+
+def load_policy(cfg, device: torch.device) -> tuple[Any, Any, int]:
+    """(model on its device, tokenizer, context window in tokens) of a run config: `policy.model_name`
+    loaded with its own tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+    if cfg.policy.model_name is not None:
+        model = load_pretrained(cfg.policy.model_name, cfg.model.dtype)
+        tokenizer = load_pretrained_tokenizer(cfg.policy.model_name)
+        check_tokenizer_fits(model, tokenizer, cfg.policy.model_name)
+        window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    else:
+        tokenizer = load_tokenizer()
+        model = build_model(cfg.model, tokenizer, cfg.grpo.seed)
+        window = cfg.model.max_position_embeddings
+    return prepare_policy(cfg, model, device), tokenizer, int(window)
+
+
+def prepare_policy(cfg, model, device: torch.device):
+    """`prepare_model` with a run config's settings (for the loaded policy and every copy read from disk)."""
+    return prepare_model(model, device, cfg.model.dtype, cfg.policy.precision,
+                         cfg.policy.dtensor_cfg.activation_checkpointing)
 
 
 def prepare_model(model, device: torch.device, dtype: str, precision: str, gradient_checkpointing: bool):

@@ -1,6 +1,9 @@
 """Where a run's prompts, held-out tasks and rewards come from: your dataset when `data.train.data_path` is
 set (prompts fitted to the context window, graded by `data.reward`), otherwise the bundled tasks
-(generated arithmetic, or `task.*` JSONL files, graded by the bundled rule)."""
+(generated arithmetic, or `task.*` JSONL files, graded by the bundled rule). Every problem found on the way
+(a source that does not read, rows the tokenizer cannot represent, a held-out share that leaves nothing to
+train on, responses too long for the context window) is reported together, each with a value that works
+(startup_problems.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,18 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from bapo_nemo.embedded.config import RunConfig
-from bapo_nemo.embedded.data import DataError, fit_prompts, load_data, truncate_prompt, unrepresentable_text
+from bapo_nemo.embedded.data import (
+    fit_prompts,
+    held_out_size_problem,
+    load_tasks,
+    split_held_out,
+    template_problem,
+    truncate_prompt,
+    unrepresentable_rows,
+)
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
 from bapo_nemo.embedded.rewards import reward_function
+from bapo_nemo.embedded.startup_problems import Problems, response_length_problem
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, load_jsonl_tasks, reward
 
 
@@ -22,20 +34,25 @@ class TaskSource(NamedTuple):
 
 
 def task_source(cfg: RunConfig, tokenizer, context_window: int) -> TaskSource:
-    """The run's tasks; a prompt must leave `partial_rollouts.max_response_tokens` of the context window."""
-    max_prompt = context_window - cfg.partial_rollouts.max_response_tokens
-    if max_prompt < 1:
-        raise DataError(
-            f"partial_rollouts.max_response_tokens={cfg.partial_rollouts.max_response_tokens} leaves no room "
-            f"for a prompt in the model's context window of {context_window} tokens: lower it"
-        )
+    """The run's tasks; a prompt must leave `partial_rollouts.max_response_tokens` of the context window.
+    Raises StartupError with every problem found."""
 
     def encode(task: Task) -> list[int]:
         return encode_prompt(tokenizer, task.question)
 
     if cfg.data.train.data_path is None:
+        return _bundled_tasks(cfg, encode, context_window)
+    return _dataset_tasks(cfg, tokenizer, encode, context_window)
+
+
+def _bundled_tasks(cfg: RunConfig, encode, window: int) -> TaskSource:
+    problems = Problems()
+    max_prompt = window - cfg.partial_rollouts.max_response_tokens
+    by_length = max_prompt if max_prompt >= 1 else None  # no room at all is said once, below
+    eval_tasks, pool = [], None
+    with problems.gather():
         eval_tasks = (
-            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction, max_prompt)
+            load_jsonl_tasks(cfg.task.eval_file, cfg.task.max_bad_fraction, by_length)
             if cfg.task.eval_file
             else TaskGenerator(
                 cfg.task.eval_seed,
@@ -47,20 +64,41 @@ def task_source(cfg: RunConfig, tokenizer, context_window: int) -> TaskSource:
                 prefix="eval",
             ).sample(cfg.task.eval_size)
         )
-        pool = (
-            load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction, max_prompt)
-            if cfg.task.train_file
-            else None
-        )
-        return TaskSource(encode, eval_tasks, pool, reward)
+    if cfg.task.train_file:
+        with problems.gather():
+            pool = load_jsonl_tasks(cfg.task.train_file, cfg.task.max_bad_fraction, by_length)
+    # too long rows are malformed ones here (counted above): only a window with no room at all is left to say
+    lengths = [len(encode(t)) for t in eval_tasks + (pool or [])]
+    problems.add(response_length_problem(window, cfg.partial_rollouts, lengths, [], "truncate"))
+    problems.raise_if_any()
+    return TaskSource(encode, eval_tasks, pool, reward)
 
-    pool, eval_tasks = load_data(
-        cfg.data, cfg.task.eval_seed, unrepresentable_text(tokenizer, cfg.data.prompt_template)
-    )
-    pool = fit_prompts(pool, encode, max_prompt, cfg.data.overlong_prompts, "training")
-    eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, cfg.data.overlong_prompts, "held-out")
-    score = reward_function(cfg.data.reward, cfg.data.default.output_key)
-    if cfg.data.overlong_prompts == "truncate":
+
+def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource:
+    data, problems = cfg.data, Problems()
+    problems.add(template_problem(tokenizer, data.prompt_template))
+    rows_problem = unrepresentable_rows(tokenizer)
+    pool = eval_tasks = score = None
+    with problems.gather():
+        pool = load_tasks(data.train.data_path, data, data.train.split, "train.data_path", rows_problem)
+    if data.validation.data_path:
+        with problems.gather():
+            eval_tasks = load_tasks(data.validation.data_path, data, data.validation.split, "validation.data_path",
+                                    rows_problem)
+    elif pool is not None:
+        size_problem = held_out_size_problem(pool, data.eval_size, cfg.task.eval_seed, data.train.data_path)
+        problems.add(size_problem)
+        if size_problem is None:
+            pool, eval_tasks = split_held_out(pool, data.eval_size, cfg.task.eval_seed)
+    with problems.gather():
+        score = reward_function(data.reward, data.default.output_key)
+    problems.add(response_length_problem(window, cfg.partial_rollouts, [len(encode(t)) for t in pool or []],
+                                         [len(encode(t)) for t in eval_tasks or []], data.overlong_prompts))
+    problems.raise_if_any()
+    max_prompt = window - cfg.partial_rollouts.max_response_tokens
+    pool = fit_prompts(pool, encode, max_prompt, data.overlong_prompts, "training")
+    eval_tasks = fit_prompts(eval_tasks, encode, max_prompt, data.overlong_prompts, "held-out")
+    if data.overlong_prompts == "truncate":
         return TaskSource(lambda task: truncate_prompt(encode(task), max_prompt), eval_tasks, pool, score)
     return TaskSource(encode, eval_tasks, pool, score)
 

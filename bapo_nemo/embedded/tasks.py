@@ -9,10 +9,13 @@ are short and a few are long: the length mix partial rollouts are for.
 from __future__ import annotations
 
 import json
+import math
 import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy
 
 from bapo_nemo.embedded.tokenizer import CHARACTERS
 
@@ -157,6 +160,33 @@ def unscorable_answer(answer: str) -> str | None:
     return None
 
 
+# Floats hold every integer exactly only below this: a larger integral float may not be the number written.
+_EXACT_INTEGERS = 2**53
+
+
+def answer_text(value) -> str | None:
+    """A reference answer as its file writes it: text as it is; an integer as its digits; an integral float as that integer (`2.0` is `2`, and so is `2` in a column that also holds
+    `2.5`, which `datasets` reads as floats); another float in positional notation (`2.5`, `0.0001`). None:
+    no answer (missing, empty, NaN or infinite, a bool). Raises ValueError for an integral float too large
+    to be sure of its digits."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        if value.is_integer():
+            if abs(value) >= _EXACT_INTEGERS:
+                raise ValueError(f"answer {value!r} was read as a float, too large to keep its digits: write it "
+                                 'as a string ("12345678901234567890")')
+            return str(int(value))
+        return numpy.format_float_positional(value, trim="-")
+    if isinstance(value, str):
+        return value or None
+    return None
+
+
 def char_prompt_tokens(question: str) -> int:
     """Prompt length under the bundled tokenizer: BOS, then one token per character."""
     return 1 + len(question)
@@ -174,10 +204,8 @@ def load_jsonl_tasks(
     `prompt_tokens`) are skipped and counted, with a warning naming the file and lines; more than
     `max_bad_fraction` of bad rows is an error."""
     path = Path(path)
-    if not path.is_file():
-        raise TaskFileError(
-            f"task file {path} does not exist (set task.train_file / task.eval_file to a JSONL file)"
-        )
+    if (problem := task_file_problem(path, "task.train_file / task.eval_file")) is not None:
+        raise TaskFileError(problem)
     tasks: list[Task] = []
     bad: list[tuple[int, str]] = []
     rows = 0
@@ -224,6 +252,14 @@ def load_jsonl_tasks(
     return tasks
 
 
+def task_file_problem(path: str | Path, key: str) -> str | None:
+    """The task file `key` names does not exist, or None."""
+    if Path(path).is_file():
+        return None
+    return (f"{key}: task file {path} does not exist: set it to a JSONL file of rows such as "
+            '{"question": "7+5-3?", "answer": "9"}, or to null for generated tasks')
+
+
 def _parse_row(line: str):
     try:
         row = json.loads(line)
@@ -231,12 +267,14 @@ def _parse_row(line: str):
         return f"not JSON ({exc.msg})"
     if not isinstance(row, dict):
         return "not a JSON object"
-    question, answer = row.get("question"), row.get("answer")
+    question = row.get("question")
     if not isinstance(question, str) or not question:
         return "missing string 'question'"
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer:
+    try:
+        answer = answer_text(row.get("answer"))
+    except ValueError as exc:
+        return str(exc)
+    if answer is None:
         return "missing 'answer'"
     solution = row.get("solution")
     if solution is not None and not isinstance(solution, str):

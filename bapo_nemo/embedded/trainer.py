@@ -4,8 +4,9 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 
     train(config, output_dir, resume) -> summary dict
 
-1. set-up (`_set_up`): tokenizer and model (`_policy`), tasks (task_source.py), tracker; resume from the
-   newest intact checkpoint written with the same config, if asked (resume.py)
+1. set-up (`_set_up`): tokenizer and model (model.py), tasks (task_source.py), every problem of the config
+   reported at once (startup_problems.py), tracker; resume from the newest intact checkpoint written with
+   the same config, if asked (resume.py)
 2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
    a stop signal ends it between steps, with nothing written
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
@@ -39,22 +40,15 @@ from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, run_params
 from bapo_nemo.embedded.evaluation import decode_response, evaluate
-from bapo_nemo.embedded.model import (
-    DTYPES,
-    build_model,
-    check_tokenizer_fits,
-    load_pretrained,
-    load_pretrained_tokenizer,
-    prepare_model,
-)
+from bapo_nemo.embedded.model import DTYPES, load_policy, prepare_policy
 from bapo_nemo.embedded.resume import checkpoint_to_resume, run_to_continue
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
+from bapo_nemo.embedded.startup_problems import check_paths
 from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
 from bapo_nemo.embedded.stop_signals import StopFlag
 from bapo_nemo.embedded.task_source import rollout_reward, task_source
 from bapo_nemo.embedded.tasks import Task, TaskStream
-from bapo_nemo.embedded.tokenizer import load_tokenizer
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text
@@ -138,7 +132,8 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     torch.manual_seed(cfg.grpo.seed)
 
     ckpt = checkpoint_to_resume(output_dir, config_dict, resume)
-    model, tokenizer, context_window = _policy(cfg, device)
+    check_paths(cfg)  # every path that names nothing, before anything loads
+    model, tokenizer, context_window = load_policy(cfg, device)
     encode, eval_tasks, pool, score = task_source(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.grpo.seed, cfg.task, held_out, pool)
@@ -204,29 +199,9 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     )
 
 
-def _policy(cfg: RunConfig, device: torch.device) -> tuple[Any, Any, int]:
-    """(model on its device, tokenizer, context window in tokens): `policy.model_name` loaded with its own
-    tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
-    if cfg.policy.model_name is not None:
-        model = load_pretrained(cfg.policy.model_name, cfg.model.dtype)
-        tokenizer = load_pretrained_tokenizer(cfg.policy.model_name)
-        check_tokenizer_fits(model, tokenizer, cfg.policy.model_name)
-        window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    else:
-        tokenizer = load_tokenizer()
-        model = build_model(cfg.model, tokenizer, cfg.grpo.seed)
-        window = cfg.model.max_position_embeddings
-    return _prepare(cfg, model, device), tokenizer, int(window)
-
-
-def _prepare(cfg: RunConfig, model, device: torch.device):
-    return prepare_model(model, device, cfg.model.dtype, cfg.policy.precision,
-                         cfg.policy.dtensor_cfg.activation_checkpointing)
-
-
 def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
     """A saved copy of the policy (checkpoint, warm-up cache), prepared like the original."""
-    return _prepare(cfg, type(like).from_pretrained(str(path), dtype=DTYPES[cfg.model.dtype]), device)
+    return prepare_policy(cfg, type(like).from_pretrained(str(path), dtype=DTYPES[cfg.model.dtype]), device)
 
 
 def _optimizer(cfg: RunConfig, model) -> torch.optim.Optimizer:
