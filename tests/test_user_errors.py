@@ -300,6 +300,10 @@ CASES = [
                                                                            {"question": "3+3?", "answer": 0.0001}]), 2,
          [("skipped 2 malformed row(s) of 8 (line 7: answer has characters outside the vocabulary: '.'; line 8: "
            "answer has characters outside the vocabulary: '.')")]),
+    Case("responses longer than the bundled model's context", _train(None, "partial_rollouts.max_response_tokens=90"), 2,
+         ["partial_rollouts.max_response_tokens=90 plus the longest prompt (~13 tokens) exceeds "
+          "model.max_position_embeddings=96: set partial_rollouts.max_response_tokens=83 or lower, or set "
+          "model.max_position_embeddings=103 or higher"]),
     Case("check --gpus-per-node -1", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1",
                                                   "--gpus-per-node", "-1"], 2, ["--gpus-per-node: must be >= 1"]),
 ]

@@ -313,11 +313,14 @@ class RunConfig(_Section):
         if self.policy.model_name is not None or self.data.train.data_path is not None:
             return self  # checked at set-up against the model's context window and the tokenized prompts
         longest_prompt = 2 + (2 + 1) * self.task.max_ops + 2  # BOS + "dd" + ("+d") * ops + "?" (generous)
-        if longest_prompt + partial.max_response_tokens > self.model.max_position_embeddings:
+        window, tokens = self.model.max_position_embeddings, partial.max_response_tokens
+        if longest_prompt + tokens > window:
+            lower = (f"set partial_rollouts.max_response_tokens={window - longest_prompt} or lower, or "
+                     if window > longest_prompt else "")
             raise ValueError(
-                f"partial_rollouts.max_response_tokens={partial.max_response_tokens} plus the longest "
-                f"prompt (~{longest_prompt} tokens) exceeds model.max_position_embeddings="
-                f"{self.model.max_position_embeddings}: lower the former or raise the latter"
+                f"partial_rollouts.max_response_tokens={tokens} plus the longest prompt (~{longest_prompt} "
+                f"tokens) exceeds model.max_position_embeddings={window}: {lower}set "
+                f"model.max_position_embeddings={longest_prompt + tokens} or higher"
             )
         return self
 
