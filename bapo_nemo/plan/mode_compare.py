@@ -31,7 +31,7 @@ from bapo_nemo.plan.generation_check import rollout_shape_for
 from bapo_nemo.plan.memory import estimate
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.search_stats import LengthModel
-from bapo_nemo.plan.step_plan import StepPlan
+from bapo_nemo.plan.step_plan import ASYNC_SIMULATED_STEPS, StepPlan
 from bapo_nemo.plan.step_time import TrainCost, shape_from_config, train_cost
 
 # Dedicated generation GPUs hold no training state: NeMo-RL's own async recipe for Qwen3-32B
@@ -45,7 +45,8 @@ ASYNC_MODES = (AsyncSetting(1), AsyncSetting(2), AsyncSetting(1, True), AsyncSet
 # trained tokens at most 2 policy versions old on average.
 PAYS_TOKENS = 1.15
 MAX_MEAN_STALENESS = 2.0
-SIMULATED_STEPS = 8  # check; bench/generation.py averages 40 (a few per cent apart)
+# check's; bench/generation.py averages 40 (a few per cent apart: one step's length is its slowest tail's)
+SIMULATED_STEPS = ASYNC_SIMULATED_STEPS
 
 
 @dataclass(frozen=True)

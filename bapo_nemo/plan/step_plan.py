@@ -22,6 +22,7 @@ from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.generation import RolloutShape, StepStats, response_moments
 from bapo_nemo.plan.generation_check import (
     DRIVER_BYTES_PER_TOKEN,
+    SIMULATED_STEPS,
     STATE_JSON_BYTES_PER_TOKEN,
     GenerationReport,
     generation_report,
@@ -84,7 +85,10 @@ def plan_step(
     prompt_tokens: int,
     fs_write_gbps: float = DEFAULT_FS_WRITE_GBPS_PER_NODE,
     sweep: bool = True,
+    steps: int = SIMULATED_STEPS,
+    async_steps: int = ASYNC_SIMULATED_STEPS,
 ) -> tuple[StepPlan | None, list[Finding]]:
+    """`steps` / `async_steps`: simulated steps averaged (check's defaults; the bench averages more)."""
     shape = rollout_shape_for(config, plan.generation_gpus or plan.train_gpus, model, gpu, prompt_tokens)
     findings = kv_cache_errors(shape)
     if findings:
@@ -92,7 +96,9 @@ def plan_step(
     partial = partial_setting(config)
     sweep = sweep and AsyncSetting.of_config(config) is None
     try:
-        report = generation_report(shape, lengths, partial[0] if partial else None, partial[1] if partial else 1, sweep)
+        report = generation_report(
+            shape, lengths, partial[0] if partial else None, partial[1] if partial else 1, sweep, steps
+        )
     except GenerationModelError as exc:
         return None, [Finding("error", "policy.generation.vllm_cfg.gpu_memory_utilization", str(exc))]
     mean, mean_squared = response_moments(shape, lengths)
@@ -109,7 +115,7 @@ def plan_step(
     if setting is not None and plan.generation_gpus:
         try:
             own = simulate_async(shape, lengths, setting, train_cost(model, step, gpu), transfer_seconds(model),
-                                 steps=ASYNC_SIMULATED_STEPS)
+                                 steps=async_steps)
         except GenerationModelError as exc:
             return None, [Finding("error", "policy.generation.vllm_cfg.gpu_memory_utilization", str(exc))]
         # The trainer's step: its own passes, plus what it waits for (NeMo-RL's exposed generation) and the
