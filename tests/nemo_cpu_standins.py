@@ -26,6 +26,7 @@ result dict; `Policy.train` (`nemo_rl/models/policy/lm_policy.py`, lines 702-793
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import os
@@ -44,6 +45,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.named_sharding import NamedSharding
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.interfaces import ColocatablePolicyInterface
+from nemo_rl.models.policy.lm_policy import Policy
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from bapo_nemo.embedded.tokenizer import build_tokenizer
@@ -58,6 +60,8 @@ TRAIN_CALLS: list[dict[str, Any]] = []
 # Every policy construction's weights/optimizer paths (resume loads them) and every generated prompt.
 POLICY_INITS: list[dict[str, Any]] = []
 GENERATED_PROMPTS: list[list[int]] = []
+# The weights paths of asynchronous saves, in the order their writers were waited for.
+ASYNC_SAVES_FINALIZED: list[str] = []
 # Every sampled segment: its context, new tokens, their log-probs, and the policy version of the weights
 # that sampled it (train() calls those weights had seen). A generator in its own actor hands its record
 # over when it shuts down.
@@ -350,14 +354,39 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
         return {"loss": torch.tensor(losses), "grad_norm": grad_norm, "all_mb_metrics": dict(mb_metrics)}
 
     # -- checkpoints -----------------------------------------------------------------------------
+    # Checkpoint saves follow the installed Policy's contract. Where it has `finalize_async_save` (NeMo-RL
+    # main, #2828), saves are asynchronous as with `megatron_cfg.checkpoint.async_save`: save_checkpoint
+    # returns once the state is staged (copied) and a writer thread writes the files; grpo's
+    # begin_finalization waits for finalize_async_save before the tmp_step_N rename. On v0.7.0, whose grpo
+    # renames right after the save, the save is synchronous.
+    ASYNC_SAVES = hasattr(Policy, "finalize_async_save")
+
     def save_checkpoint(self, weights_path, optimizer_path=None, tokenizer_path=None, **_: Any) -> None:
-        self.model.save_pretrained(weights_path)
-        (Path(weights_path) / VERSION_FILE).write_text(json.dumps({"version": self.version}))
-        if optimizer_path:
-            os.makedirs(optimizer_path, exist_ok=True)
-            torch.save(self.optimizer.state_dict(), os.path.join(optimizer_path, "optim.pt"))
+        self.finalize_async_save()  # one save at a time, as NeMo-RL's workers do
+        staged = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                  copy.deepcopy(self.optimizer.state_dict()) if optimizer_path else None)
+
+        def write():
+            self.model.save_pretrained(weights_path, state_dict=staged[0])
+            (Path(weights_path) / VERSION_FILE).write_text(json.dumps({"version": self.version}))
+            if optimizer_path:
+                os.makedirs(optimizer_path, exist_ok=True)
+                torch.save(staged[1], os.path.join(optimizer_path, "optim.pt"))
+
+        if self.ASYNC_SAVES:
+            self._writer = threading.Thread(target=write, name="async-checkpoint-writer")
+            self._writer.weights_path = str(weights_path)
+            self._writer.start()
+        else:
+            write()
         if tokenizer_path:
             self.tokenizer.save_pretrained(tokenizer_path)
+
+    def finalize_async_save(self) -> None:
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            writer.join()
+            ASYNC_SAVES_FINALIZED.append(writer.weights_path)
 
     # -- refit: the weights (and their version) go to the generator through _REFIT ---------------
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales=None) -> list:

@@ -49,7 +49,7 @@ def standins(monkeypatch):
     monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
     for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
                    nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN,
-                   nemo_cpu_standins.SEGMENTS):
+                   nemo_cpu_standins.SEGMENTS, nemo_cpu_standins.ASYNC_SAVES_FINALIZED):
         record.clear()
     nemo_cpu_standins._REFIT.clear()
     yield nemo_cpu_standins
@@ -439,15 +439,16 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
 def test_an_error_inside_the_async_loop_fails_the_driver(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
     """v0.7.0's async_grpo_train catches every exception of its loop, prints it and returns (grpo.py,
     lines 4321-4325), so a crashed job would exit 0 and look finished. The driver compares the steps
-    trained with grpo.max_num_steps and fails when the loop ended early without a stop request."""
-    from bapo_nemo.nemo.driver import AsyncLoopError
+    trained with grpo.max_num_steps and fails when the loop ended early without a stop request. NeMo-RL
+    main re-raises the loop's error itself: either way the driver fails."""
 
     def fail_in_training():
         raise RuntimeError("a training worker died")
 
     standins.ON_TRAIN.append(fail_in_training)
     config = async_config(tmp_path, tiny_assets, monkeypatch)
-    with pytest.raises(AsyncLoopError, match=r"async GRPO ended after step 0 of 2 without a stop request"):
+    # v0.7.0 swallows the error (only AsyncLoopError, a RuntimeError, can end the run); main re-raises it
+    with pytest.raises(RuntimeError, match="async GRPO ended after step 0 of 2 without a stop request|^a training worker died$"):
         run_driver(config)
     assert standins.TRAIN_CALLS == []
 
@@ -546,8 +547,11 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
         assert seq["segment_versions"] == [g["version"] for g in produced] == [stop_step - 1] * len(produced)
         assert seq["segment_lengths"] == [len(g["tokens"]) for g in produced]
 
-    # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
     step_dir = ckpt / "step_2"
+    if standins.CPUPolicyStandIn.ASYNC_SAVES:  # main: the weights were written after save_checkpoint
+        # returned, and the tmp_step_2 -> step_2 rename waited for them (begin_finalization's wait_fn)
+        assert standins.ASYNC_SAVES_FINALIZED == [str(ckpt / "tmp_step_2" / "policy" / "weights")]
+    # The parity recorder's file: the policy's own log-probs at save time, which the saved weights give.
     reference = read_reference_logprobs(step_dir)
     assert reference is not None
     from transformers import AutoModelForCausalLM

@@ -1,20 +1,17 @@
 """Parity log-probs recorded at NeMo-RL checkpoint time are what `bapo-nemo export` compares against.
 
-Boundary stand-ins, because NeMo-RL's Ray policy and CheckpointManager do not run here: the policy's
-`get_logprobs` follows v0.7.0's contract ([B, S], position i = log p(token i | tokens < i), 0 at i = 0)
-computed by a real tiny HF Qwen2; the checkpointer renames tmp_step_N to step_N like v0.7.0's
-`finalize_checkpoint`."""
+A boundary stand-in, because NeMo-RL's Ray policy does not run here: the policy's `get_logprobs` follows
+NeMo-RL's contract ([B, S], position i = log p(token i | tokens < i), 0 at i = 0) computed by a real tiny
+HF Qwen2. How the writer reaches a real CheckpointManager's checkpoints is tests/test_nemo_checkpoint_hooks.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bapo_nemo.embedded.tokenizer import load_tokenizer
 from bapo_nemo.export.parity import compare, read_reference_logprobs, token_logprobs
-from bapo_nemo.nemo.parity_recorder import attach_parity_recorder
+from bapo_nemo.nemo.parity_recorder import parity_writer
 
 
 class HFBackedPolicy:
@@ -32,26 +29,20 @@ class HFBackedPolicy:
         return {"logprobs": torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)}
 
 
-class RenamingCheckpointer:
-    def finalize_checkpoint(self, checkpoint_path):
-        path = Path(checkpoint_path)
-        path.rename(path.with_name(path.name.removeprefix("tmp_")))
-
-
 def test_recorded_logprobs_match_the_exports_own_scoring(tmp_path):
     tokenizer = load_tokenizer()
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
     ))
-    policy, checkpointer = HFBackedPolicy(model), RenamingCheckpointer()
+    policy = HFBackedPolicy(model)
     config = {"policy": {"make_sequence_length_divisible_by": 8, "precision": "float32"}}
-    undo = attach_parity_recorder(checkpointer, policy, tokenizer, config)
+    write = parity_writer(policy, tokenizer, config)
 
     tmp_step = tmp_path / "tmp_step_3"
     tmp_step.mkdir()
-    checkpointer.finalize_checkpoint(tmp_step)
-    reference = read_reference_logprobs(tmp_path / "step_3")
+    assert write(tmp_step) is True
+    reference = read_reference_logprobs(tmp_step)
 
     assert policy.calls and policy.calls[0][1] % 8 == 0  # padded to the Megatron divisibility rule
     assert reference["dtype"] == "float32"
@@ -60,5 +51,14 @@ def test_recorded_logprobs_match_the_exports_own_scoring(tmp_path):
     result = compare(reference["logprobs"], token_logprobs(model, reference["sequences"]), tolerance=1e-4)
     assert result.passed, result.summary()
 
-    undo()
-    assert checkpointer.finalize_checkpoint.__func__ is RenamingCheckpointer.finalize_checkpoint
+
+def test_a_policy_that_fails_leaves_no_file_and_says_so(tmp_path, capsys):
+    class BrokenPolicy:
+        def get_logprobs(self, data):
+            raise RuntimeError("worker lost")
+
+    config = {"policy": {"make_sequence_length_divisible_by": 1, "precision": "bfloat16"}}
+    write = parity_writer(BrokenPolicy(), load_tokenizer(), config)
+    assert write(tmp_path) is False
+    assert list(tmp_path.iterdir()) == []
+    assert "parity log-probs not recorded" in capsys.readouterr().out

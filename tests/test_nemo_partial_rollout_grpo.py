@@ -1,7 +1,7 @@
-"""The partial-rollout hook (bapo_nemo.nemo.partial_rollout) through NeMo-RL v0.7.0's real
-`nemo_rl.algorithms.grpo` module: patched `run_multi_turn_rollout`, real `calculate_rewards` with a Ray
-actor environment, real `BatchedDataDict`, `CheckpointManager`, loss-mask and baseline functions, and the
-real `validate`. The generation backend is the fake at the vLLM boundary of tests/nemo_rollout_pieces.py
+"""The partial-rollout hook (bapo_nemo.nemo.partial_rollout) through NeMo-RL's real
+`nemo_rl.algorithms.grpo` module (v0.7.0 or main): patched `run_multi_turn_rollout`, real
+`calculate_rewards` with a Ray actor environment, real `BatchedDataDict`, `CheckpointManager` (finalised as
+the installed grpo_train finalises it), loss-mask and baseline functions, and the real `validate`. The generation backend is the fake at the vLLM boundary of tests/nemo_rollout_pieces.py
 (`ToyGenerationBackend`: no GPU here); the hook on plain structures is tested in
 tests/test_nemo_partial_rollout.py.
 """
@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_rollout_generators import ToyPolicy
 
+from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
 from bapo_nemo.nemo.partial_rollout import STATE_FILE, install_partial_rollouts
 from bapo_nemo.nemo.segment_io import PartialRolloutSetupError
 from tests.nemo_rollout_pieces import (
@@ -22,6 +23,25 @@ from tests.nemo_rollout_pieces import (
     datum,
     master_config,
 )
+
+
+CHECKPOINTING = {
+    "metric_name": None,
+    "higher_is_better": False,
+    "keep_top_k": 3,
+    "save_optimizer": False,
+    "save_period": 1,
+}
+
+
+def finalize_as_grpo_does(checkpointer, path) -> None:
+    """What the installed grpo_train does after writing a checkpoint: v0.7.0 renames it at once; main
+    renames it on a background thread (begin_finalization) that grpo_train joins before the next save."""
+    if hasattr(checkpointer, "begin_finalization"):
+        checkpointer.begin_finalization(path, wait_fn=None)
+        checkpointer.finalize_pending()
+    else:
+        checkpointer.finalize_checkpoint(path)
 
 
 @pytest.fixture
@@ -83,22 +103,14 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
     hook = install_partial_rollouts(cfg)
     try:
         assert grpo.run_multi_turn_rollout is not original
-        checkpointer = CheckpointManager(
-            {
-                "checkpoint_dir": str(tmp_path),
-                "metric_name": None,
-                "higher_is_better": False,
-                "keep_top_k": 3,
-                "save_optimizer": False,
-            }
-        )
+        checkpointer = CheckpointManager({"checkpoint_dir": str(tmp_path), **CHECKPOINTING})
 
         class TrainOnly:  # the Ray-worker policy is the boundary: only its train() call is observed
             def train(self, data, loss_fn, timer=None):
                 return {}
 
         policy = TrainOnly()
-        hook.attach(policy, checkpointer)
+        hook.attach(policy, CheckpointHooks(checkpointer).install())
         backend = ToyGenerationBackend(
             ToyPolicy(seed=4, vocab_size=6, eos_logit_bias=-2.0), max_new_tokens=4, wrap=BatchedDataDict
         )
@@ -146,7 +158,7 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
                 masked_some |= trainable < sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")
             policy.train(None, None)
             path = checkpointer.init_tmp_checkpoint(step + 1, {"step": step + 1}, None)
-            checkpointer.finalize_checkpoint(path)
+            finalize_as_grpo_does(checkpointer, path)
         assert hook.policy_version == 3 and masked_some
         saved = json.loads((tmp_path / "step_3" / STATE_FILE).read_text())
         assert saved["policy_version"] == 3 and saved["manager"]["group_size"] == 2
@@ -159,16 +171,7 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
     resumed = install_partial_rollouts(master_config(partial_rollouts__stale_segments="exclude"))
     try:
         resumed.attach(
-            TrainOnly(),
-            CheckpointManager(
-                {
-                    "checkpoint_dir": str(tmp_path),
-                    "metric_name": None,
-                    "higher_is_better": False,
-                    "keep_top_k": 3,
-                    "save_optimizer": False,
-                }
-            ),
+            TrainOnly(), CheckpointHooks(CheckpointManager({"checkpoint_dir": str(tmp_path), **CHECKPOINTING}))
         )
         assert resumed.policy_version == 3
         assert resumed.manager.state_dict() == saved["manager"] | {
@@ -206,9 +209,11 @@ def test_real_validate_generates_answers_to_completion(ray_cluster):
     cfg = master_config()
     hook = install_partial_rollouts(cfg)
     try:
-        # validate() reads its config by attribute (MasterConfig); only these keys are touched
+        # validate() reads its config by attribute (MasterConfig); only these keys are touched. The grpo
+        # section is the installed type: a dict on v0.7.0 (GRPOConfig is a TypedDict), a model on main.
+        grpo_section = grpo.GRPOConfig(max_val_samples=3, val_batch_size=3, max_rollout_turns=1, val_period=1)
         master = SimpleNamespace(
-            grpo={"max_val_samples": 3, "val_batch_size": 3, "max_rollout_turns": 1, "val_period": 1},
+            grpo=grpo_section,
             env={},
             policy={"generation": cfg["policy"]["generation"], "max_total_sequence_length": 64},
             logger={"num_val_samples_to_print": 0},

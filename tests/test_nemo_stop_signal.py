@@ -62,7 +62,7 @@ def test_deadline_still_works_without_signal(fresh_signal_state):
 def test_an_early_stop_is_a_normal_end_of_the_async_loop(fresh_signal_state, stop):
     """The driver's check after async_grpo_train: fewer steps than max_num_steps is a failure unless the
     loop was told to checkpoint and stop (by the signal or by the deadline)."""
-    from bapo_nemo.nemo.driver import AsyncLoopError, check_async_loop_finished
+    from bapo_nemo.nemo.async_end import AsyncLoopError, check_async_loop_finished
 
     checker = stop_signal.signal_aware(V070LikeTimeoutChecker)(timeout_s=0.0 if stop == "deadline" else None)
     stop_signal.install_stop_signal()

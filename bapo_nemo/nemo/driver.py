@@ -1,12 +1,15 @@
-"""The BAPO driver for NeMo-RL v0.7.0: `examples/run_grpo.py`'s flow with BAPOLossFn swapped in.
+"""The BAPO driver for NeMo-RL (v0.7.0 and main): `examples/run_grpo.py`'s flow with BAPOLossFn swapped in.
 
-    load config (+ Hydra overrides) -> our config checks -> MLflow logger config -> MasterConfig
-    -> init_ray -> tokenizer, generation config, datasets -> [partial rollouts] -> grpo.setup(...)
+    load config (+ Hydra overrides) -> our config checks, the keys the installed NeMo-RL requires, every
+    seam on its call path (seams.py) -> MLflow logger config -> MasterConfig -> init_ray -> tokenizer,
+    generation config, datasets -> [partial rollouts] -> grpo.setup(...)
     -> replace setup's ClippedPGLossFn by BAPOLossFn -> [FP8 packing width guard, step-granularity
-    wrapper on policy.train]
-    -> MLflow tags/params -> grpo_train or async_grpo_train
+    wrapper on policy.train] -> our files in every checkpoint, and their watch (checkpoint_hooks.py)
+    -> MLflow tags/params -> grpo_train or async_grpo_train, inside the checkpointer's scope
 
-Resume: v0.7.0's `setup()` looks for the newest `checkpointing.checkpoint_dir/step_N` itself
+Where NeMo-RL releases differ, installed.py decides from what the installed nemo_rl has.
+
+Resume: NeMo-RL's `setup()` looks for the newest `checkpointing.checkpoint_dir/step_N` itself
 (`CheckpointManager.get_latest_checkpoint_path`) and restores the GRPO state, the dataloader position,
 the weights and the optimizer from it; re-running the same command resumes. The MLflow run id is
 resumed by `prepare_logger_config` from the same directory.
@@ -36,17 +39,13 @@ class DriverConfigError(ValueError):
     """The config would fail on the cluster; every line names a key and its fix."""
 
 
-class AsyncLoopError(RuntimeError):
-    """async_grpo_train returned before grpo.max_num_steps without a stop request: its loop failed."""
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m bapo_nemo.train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="BAPO GRPO training on NeMo-RL v0.7.0: NeMo-RL's grpo_train with BAPOLossFn, on a Ray\n"
-        "cluster inside nvcr.io/nvidia/nemo-rl:v0.7.0 (slurm/*.sbatch start it). It takes a NeMo-RL master\n"
-        "config and Hydra-style overrides, as NeMo-RL's examples/run_grpo.py does.\n\n"
+        description="BAPO GRPO training on NeMo-RL: NeMo-RL's grpo_train with BAPOLossFn, on a Ray cluster\n"
+        "inside nvcr.io/nvidia/nemo-rl:v0.7.0 or a newer tested image (slurm/*.sbatch start it). It takes a\n"
+        "NeMo-RL master config and Hydra-style overrides, as NeMo-RL's examples/run_grpo.py does.\n\n"
         "Not to be mixed up with `bapo-nemo train CONFIG [key=value ...]`: the single-machine trainer\n"
         "(CPU or one GPU, no NeMo-RL), which takes embedded configs such as configs/local_cpu.yaml.",
         epilog="examples:\n"
@@ -105,65 +104,78 @@ def raise_on_errors(findings: list[Finding]) -> None:
         raise DriverConfigError("config errors:\n  " + "\n  ".join(f"{f.key}: {f.message}" for f in errors))
 
 
-def make_loss_fn(master_config) -> Any:
-    """BAPOLossFn for this config (its DTensor layout is needed to rebuild the data-parallel group)."""
+def make_loss_fn(master_config, setup_loss_fn: Any = None) -> Any:
+    """BAPOLossFn for this config, built as setup() built its ClippedPGLossFn (same extra arguments of the
+    installed NeMo-RL; its DTensor layout is needed to rebuild the data-parallel group)."""
+    from bapo_nemo.nemo.installed import loss_fn_kwargs
     from bapo_nemo.nemo.loss import BAPOLossFn
 
-    policy = master_config.policy
-    dtensor = policy.get("dtensor_cfg") or {}
+    dtensor = master_config.policy.get("dtensor_cfg") or {}
     return BAPOLossFn(
         master_config.loss_fn,
         dtensor_tp=int(dtensor.get("tensor_parallel_size", 1) or 1),
         dtensor_cp=int(dtensor.get("context_parallel_size", 1) or 1),
+        **(loss_fn_kwargs(setup_loss_fn) if setup_loss_fn is not None else {}),
     )
 
 
 def install_step_bounds(policy, loss_fn, master_config) -> None:
     """granularity: step -> wrap policy.train on the driver (see step_bounds.py for the cost)."""
+    from bapo_nemo.nemo.installed import grpo_settings
     from bapo_nemo.nemo.step_bounds import StepBoundsTrainer
 
     options = loss_fn.options
     if not options.bapo.enabled or options.bapo.granularity != "step":
         return
+    grpo = grpo_settings(master_config)
     policy.train = StepBoundsTrainer(
         policy,
         options,
         master_config.loss_fn.model_dump(),
         master_config.policy["train_global_batch_size"],
-        group_size=master_config.grpo["num_generations_per_prompt"],
-        seed=master_config.grpo.get("seed", 0),
+        group_size=grpo["num_generations_per_prompt"],
+        seed=grpo.get("seed", 0),
     )
 
 
-def record_finished_steps(logger) -> list[int]:
-    """Wrap logger.log_metrics to record the steps the train loop finished. async_grpo_train's last act
-    of a step, after training, refit, checkpoint and the other logs, is one log_metrics call with
-    step_finished=True (grpo.py, lines 4301-4307): a step that failed anywhere before is not recorded."""
-    finished: list[int] = []
-    log_metrics = logger.log_metrics
+def load_config(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """The master config as NeMo-RL's run_grpo.py reads it (YAML + `defaults:` + Hydra overrides), resolved."""
+    from nemo_rl.utils.config import load_config as load_nemo_rl_config
+    from nemo_rl.utils.config import parse_hydra_overrides, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
 
-    def recording(metrics, step, *args, **kwargs):
-        log_metrics(metrics, step, *args, **kwargs)
-        if kwargs.get("step_finished", args[2] if len(args) > 2 else False):
-            finished.append(int(step))
-
-    logger.log_metrics = recording
-    return finished
+    register_omegaconf_resolvers()
+    config = load_nemo_rl_config(args.config)
+    if overrides:
+        config = parse_hydra_overrides(config, overrides)
+    return OmegaConf.to_container(config, resolve=True)
 
 
-def check_async_loop_finished(steps_done: int, max_steps: int) -> None:
-    """v0.7.0's async_grpo_train catches every exception of its loop (and a failed first refit), prints
-    it and returns (grpo.py, lines 3555-3562 and 4321-4325): without this check a crashed job exits 0
-    and looks finished to Slurm and to a resubmitting script. A stop it was asked for (SIGUSR1 or
-    checkpoint_must_save_by, both through TimeoutChecker.check_save) is a normal end."""
-    from bapo_nemo.nemo.stop_signal import early_stop_reached
+def check_before_start(config: dict, skip_checks: bool) -> None:
+    """Everything that can refuse the run, before anything starts or is written: our config rules, the
+    keys the installed NeMo-RL requires, and every seam this config needs on its call path."""
+    from bapo_nemo.nemo.installed import fill_validation_sampling, required_generation_keys
+    from bapo_nemo.nemo.seams import verify_seams
 
-    if steps_done < max_steps and not early_stop_reached():
-        raise AsyncLoopError(
-            f"async GRPO ended after step {steps_done} of {max_steps} without a stop request: NeMo-RL's "
-            "async_grpo_train printed the error of its loop above and returned; fix it and rerun the same "
-            "command (it resumes from the newest checkpoint)"
-        )
+    if not skip_checks:
+        raise_on_errors(preflight(config))
+    for line in fill_validation_sampling(config, required_generation_keys()):
+        print(f"{line}: the installed NeMo-RL requires it; validation samples as training does")
+    verify_seams(config)
+
+
+def attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook):
+    """partial_rollouts.json and the parity log-probs into every checkpoint, and the watch over them."""
+    from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
+    from bapo_nemo.nemo.parity_recorder import PARITY_FILE, parity_writer
+
+    hooks = CheckpointHooks(checkpointer)
+    hooks.add(PARITY_FILE, parity_writer(policy, tokenizer, master_config))  # for `bapo-nemo export`'s parity
+    if partial_hook is not None:
+        partial_hook.attach(policy, hooks)
+    hooks.install()
+    policy.train = hooks.guard(policy.train)  # a checkpoint's rename is seen at the next train at the latest
+    return hooks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,47 +185,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {wrong_tool}", file=sys.stderr)
         return 2
     try:
-        from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+        from nemo_rl.algorithms import grpo as grpo_module
     except ImportError as exc:
         raise SystemExit(
-            f"NeMo-RL v0.7.0 is not importable ({exc}): run inside nvcr.io/nvidia/nemo-rl:v0.7.0 with this "
-            "checkout on PYTHONPATH (see docs/nemo_rl.md); on one machine without GPUs use `bapo-nemo train`"
+            f"NeMo-RL is not importable ({exc}): run inside nvcr.io/nvidia/nemo-rl:v0.7.0 (or a newer tested "
+            "image) with this checkout on PYTHONPATH (see docs/nemo_rl.md); on one machine without GPUs use "
+            "`bapo-nemo train`"
         ) from None
+    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
     from nemo_rl.distributed.virtual_cluster import init_ray
     from nemo_rl.models.generation import configure_generation_config
-    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
-    from omegaconf import OmegaConf
 
+    from bapo_nemo.nemo.async_end import AsyncLoopWatch
+    from bapo_nemo.nemo.deadline import apply_job_deadline
+    from bapo_nemo.nemo.installed import async_settings, checkpointer_scope, save_state_value
+    from bapo_nemo.nemo.packing import install_packed_width_guard
+    from bapo_nemo.nemo.seams import SeamError
     from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
+    from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
-    register_omegaconf_resolvers()
-    config = load_config(args.config)
-    if overrides:
-        config = parse_hydra_overrides(config, overrides)
-    config = OmegaConf.to_container(config, resolve=True)
-    if not args.skip_checks:
-        raise_on_errors(preflight(config))
+    config = load_config(args, overrides)
+    try:
+        check_before_start(config, args.skip_checks)
+    except SeamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not bapo_enabled(config):
         print("loss_fn.bapo is absent or disabled: training is plain GRPO (ClippedPGLossFn semantics)")
 
     config = prepare_logger_config(config)  # MLflow on, sqlite/server URI, resumed run id
     master_config = MasterConfig(**config)
     master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
-    if master_config.checkpointing["enabled"]:
+    checkpointing = master_config.checkpointing["enabled"]
+    if checkpointing:
         print(
             f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)"
         )
-
-    # SIGUSR1 (Slurm's pre-timeout signal) -> checkpoint after the current step and stop.
-    from nemo_rl.algorithms import grpo as grpo_module
-
-    from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
-
-    patch_grpo_timeout_checker(grpo_module)
+    patch_grpo_timeout_checker(grpo_module)  # SIGUSR1 (Slurm's pre-timeout signal): checkpoint, then stop
 
     init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
     tokenizer = get_tokenizer(master_config.policy["tokenizer"])
@@ -241,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         _cluster,
         dataloader,
         val_dataloader,
-        _setup_loss_fn,
+        setup_loss_fn,
         logger,
         checkpointer,
         grpo_state,
@@ -250,63 +262,62 @@ def main(argv: list[str] | None = None) -> int:
         alias_to_group_alias,
     ) = setup(master_config, tokenizer, dataset, val_dataset)
     # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
-    loss_fn = make_loss_fn(master_config)
-    from bapo_nemo.nemo.packing import install_packed_width_guard
-
+    loss_fn = make_loss_fn(master_config, setup_loss_fn)
     install_packed_width_guard(policy, master_config.policy)  # FP8 packing x fused loss (see packing.py)
     install_step_bounds(policy, loss_fn, master_config)
     policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
-    if partial_hook is not None:
-        partial_hook.attach(policy, checkpointer)
-    if master_config.checkpointing["enabled"]:
-        from bapo_nemo.nemo.parity_recorder import attach_parity_recorder
-
-        attach_parity_recorder(checkpointer, policy, tokenizer, master_config)  # for `bapo-nemo export`'s parity
+    hooks = None
+    if checkpointing:
+        hooks = attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook)
+    elif partial_hook is not None:
+        partial_hook.attach(policy)
     tracker = after_setup(master_config.model_dump(), logger)
     warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
-    from bapo_nemo.nemo.deadline import apply_job_deadline
-
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 
-    if master_config.grpo.get("async_grpo", {}).get("enabled", False):
-        from nemo_rl.algorithms.grpo import async_grpo_train
+    async_grpo = async_settings(master_config)
+    with checkpointer_scope(checkpointer):  # main: flushes the background finalisation on the way out
+        if async_grpo is not None:
+            from nemo_rl.algorithms.grpo import async_grpo_train
 
-        finished = record_finished_steps(logger)
-        first_step = int(grpo_state["current_step"])
-        async_grpo_train(
-            policy=policy,
-            policy_generation=policy_generation,
-            dataloader=dataloader,
-            val_dataloader=val_dataloader,
-            tokenizer=tokenizer,
-            loss_fn=loss_fn,
-            task_to_env=task_to_env,
-            val_task_to_env=val_task_to_env,
-            logger=logger,
-            checkpointer=checkpointer,
-            grpo_save_state=grpo_state,
-            master_config=master_config,
-            max_trajectory_age_steps=master_config.grpo["async_grpo"]["max_trajectory_age_steps"],
-            teacher_worker_groups=teacher_worker_groups,
-            alias_to_group_alias=alias_to_group_alias,
-        )
-        check_async_loop_finished(max([first_step, *finished]), int(master_config.grpo["max_num_steps"]))
-    else:
-        grpo_train(
-            policy,
-            policy_generation,
-            # Partial rollouts need more prompt groups in flight than one step trains on.
-            partial_hook.wrap_dataloader(dataloader) if partial_hook is not None else dataloader,
-            val_dataloader,
-            tokenizer,
-            loss_fn,
-            task_to_env,
-            val_task_to_env,
-            logger,
-            checkpointer,
-            grpo_state,
-            master_config,
-        )
+            watch = AsyncLoopWatch(logger, save_state_value(grpo_state, "current_step"))
+            async_grpo_train(
+                policy=policy,
+                policy_generation=policy_generation,
+                dataloader=dataloader,
+                val_dataloader=val_dataloader,
+                tokenizer=tokenizer,
+                loss_fn=loss_fn,
+                task_to_env=task_to_env,
+                val_task_to_env=val_task_to_env,
+                logger=logger,
+                checkpointer=checkpointer,
+                grpo_save_state=grpo_state,
+                master_config=master_config,
+                max_trajectory_age_steps=async_grpo["max_trajectory_age_steps"],
+                teacher_worker_groups=teacher_worker_groups,
+                alias_to_group_alias=alias_to_group_alias,
+            )
+        else:
+            grpo_train(
+                policy,
+                policy_generation,
+                # Partial rollouts need more prompt groups in flight than one step trains on.
+                partial_hook.wrap_dataloader(dataloader) if partial_hook is not None else dataloader,
+                val_dataloader,
+                tokenizer,
+                loss_fn,
+                task_to_env,
+                val_task_to_env,
+                logger,
+                checkpointer,
+                grpo_state,
+                master_config,
+            )
+    if hooks is not None:
+        hooks.check()  # the last checkpoints, now finalised
+    if async_grpo is not None:
+        watch.check(master_config)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""BAPOLossFn: NeMo-RL v0.7.0's ClippedPGLossFn with BAPO's adaptive clip bounds.
+"""BAPOLossFn: NeMo-RL's ClippedPGLossFn with BAPO's adaptive clip bounds.
 
 Per call it searches (c_low, c_high) with `bapo_nemo.algorithm.search_clip_bounds` over the
 data-parallel group (see `groups.py`), writes them into the parent's clip epsilons and lets
@@ -72,9 +72,13 @@ def bapo_options_from_loss_config(cfg: ClippedPGLossConfig) -> NemoBAPOOptions:
 class BAPOLossFn(ClippedPGLossFn):
     """ClippedPGLossFn whose clip bounds BAPO chooses per call (or per optimizer step)."""
 
-    def __init__(self, cfg: ClippedPGLossConfig | dict, dtensor_tp: int = 1, dtensor_cp: int = 1):
+    def __init__(
+        self, cfg: ClippedPGLossConfig | dict, dtensor_tp: int = 1, dtensor_cp: int = 1, **parent_kwargs: Any
+    ):
+        """`parent_kwargs`: what the installed ClippedPGLossFn takes besides its config, as setup() gave it
+        (`installed.loss_fn_kwargs`; main's `use_fused_linear_logprobs`)."""
         cfg = _as_config(cfg)
-        super().__init__(cfg)
+        super().__init__(cfg, **parent_kwargs)
         self.options = bapo_options_from_loss_config(cfg)
         if self.options.bapo.enabled and self.options.bapo.dual_clip is not None:
             self.ratio_clip_c = self.options.bapo.dual_clip

@@ -2,9 +2,9 @@
 
 `bapo-nemo export` turns a Megatron checkpoint into an HF directory outside the training job, where the
 Megatron model cannot be loaded to compare against; so its parity check compares the reloaded HF model
-with `step_N/parity_logprobs.json`, written here while the policy is live. We hook
-`checkpointer.finalize_checkpoint` (called by grpo_train once the weights are written into
-`tmp_step_N`, before the rename), so the file lands atomically with the checkpoint.
+with `step_N/parity_logprobs.json`, written here while the policy is live. `parity_writer` is registered
+with `CheckpointHooks` (checkpoint_hooks.py): it runs when grpo makes `tmp_step_N`, with the weights the
+checkpoint saves, and the file becomes visible with the checkpoint's rename.
 
 Cost per checkpoint: one `policy.get_logprobs` call on a handful of short sequences (seconds).
 """
@@ -12,11 +12,14 @@ Cost per checkpoint: one `policy.get_logprobs` call on a handful of short sequen
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bapo_nemo.export.parity import FIXED_PROMPTS, write_reference_logprobs
+from bapo_nemo.export.parity import FIXED_PROMPTS, REFERENCE_FILE, write_reference_logprobs
+
+PARITY_FILE = REFERENCE_FILE
 
 
 def parity_sequences(tokenizer, prompts: list[str] = FIXED_PROMPTS) -> list[list[int]]:
@@ -45,8 +48,8 @@ def record_parity_logprobs(policy, step_dir, sequences: list[list[int]], pad_id:
     write_reference_logprobs(step_dir, sequences, rows, dtype, source="nemo-rl policy.get_logprobs at checkpoint save")
 
 
-def attach_parity_recorder(checkpointer, policy, tokenizer, master_config) -> Callable[[], None]:
-    """Wrap `checkpointer.finalize_checkpoint`; returns a function that undoes the wrap."""
+def parity_writer(policy, tokenizer, master_config) -> Callable[[Path], bool]:
+    """The checkpoint writer of `parity_logprobs.json` (for `CheckpointHooks.add`)."""
     try:
         from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -58,14 +61,13 @@ def attach_parity_recorder(checkpointer, policy, tokenizer, master_config) -> Ca
     dtype = str(policy_cfg.get("precision", "bfloat16"))
     sequences = parity_sequences(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    finalize = checkpointer.finalize_checkpoint
 
-    def finalize_with_parity(checkpoint_path, *args, **kwargs):
+    def write(tmp_dir: Path) -> bool:
         try:
-            record_parity_logprobs(policy, checkpoint_path, sequences, pad_id, multiple, dtype, make_batch)
+            record_parity_logprobs(policy, tmp_dir, sequences, pad_id, multiple, dtype, make_batch)
         except Exception as exc:  # noqa: BLE001 - a missing parity file only weakens the export's check; keep training
-            print(f"warning: parity log-probs not recorded for {checkpoint_path}: {type(exc).__name__}: {exc}")
-        return finalize(checkpoint_path, *args, **kwargs)
+            print(f"warning: parity log-probs not recorded for {tmp_dir}: {type(exc).__name__}: {exc}", flush=True)
+            return False
+        return True
 
-    checkpointer.finalize_checkpoint = finalize_with_parity
-    return lambda: setattr(checkpointer, "finalize_checkpoint", finalize)
+    return write

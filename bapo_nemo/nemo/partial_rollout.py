@@ -4,7 +4,7 @@ How it plugs in (no fork): `install_partial_rollouts(master_config)` is called b
 `setup()`. It sets `policy.generation.max_new_tokens` to the per-iteration `token_budget` (the generation
 workers read it as vLLM's `max_tokens`) and replaces the module-level name
 `nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper. After `setup()` the driver calls
-`hook.attach(policy, checkpointer)`: `policy.train` then counts policy versions and every checkpoint gets a
+`hook.attach(policy, checkpoint_hooks)`: `policy.train` then counts policy versions and every checkpoint gets a
 `partial_rollouts.json` with the in-flight segments (NeMo-RL issue #3594 is the upstream gap).
 
 Each time grpo_train asks for rollouts of a step's batch (P prompts x G samples, `repeat_interleave`d):
@@ -30,6 +30,7 @@ Everything that touches NeMo-RL objects is imported lazily; the conversions betw
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
 from bapo_nemo.nemo.segment_io import (
     PartialRolloutSetupError,
     ReplayGeneration,
@@ -95,26 +97,23 @@ class PartialRolloutHook:
         self.batches_seen = 0
         self.stop_strings: list[str] = []
         self._in_validation = False
+        self.checkpoints: CheckpointHooks | None = None  # set by attach(): its check runs before each rollout
         self._restore: list[Callable[[], None]] = []
 
     # ---- the wrapped grpo names ------------------------------------------------------------------------
     def make_rollout_wrapper(self, original: Callable) -> Callable:
-        def run_multi_turn_rollout(
-            policy_generation,
-            input_batch,
-            tokenizer,
-            task_to_env,
-            max_seq_len,
-            max_rollout_turns=999999,
-            greedy=False,
-        ):
-            if self._in_validation:
-                return self.validation_rollout(
-                    original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
-                )
-            return self.training_rollout(
-                original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
-            )
+        """grpo's `run_multi_turn_rollout` with the hook in front. Its arguments are bound to the installed
+        function's signature, so parameters a NeMo-RL release adds (main's `deduplicate_multimodal_data`)
+        reach the original untouched."""
+        signature = inspect.signature(original)
+
+        def run_multi_turn_rollout(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            arguments.pop("max_rollout_turns", None)  # single-turn: the replay is one generation call
+            rollout = self.validation_rollout if self._in_validation else self.training_rollout
+            return rollout(original, **arguments)
 
         run_multi_turn_rollout.__wrapped__ = original  # type: ignore[attr-defined]
         run_multi_turn_rollout._partial_rollout_hook = True  # type: ignore[attr-defined]
@@ -134,8 +133,12 @@ class PartialRolloutHook:
 
     # ---- rollouts --------------------------------------------------------------------------------------
     def training_rollout(
-        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy=False,
+        **passthrough,
     ):
+        """One step's batch of complete groups; `passthrough` holds the installed function's other arguments."""
+        if self.checkpoints is not None:
+            self.checkpoints.check()  # the previous step's checkpoint, if any, is finalised by now
         num_prompts = check_prompt_blocks(input_batch, self.group_size)
         if not self.prefilled and self.prefill_batches > 0 and self.batches_seen == 0:
             warnings.warn(
@@ -160,6 +163,7 @@ class PartialRolloutHook:
             max_seq_len=max_seq_len,
             max_rollout_turns=1,
             greedy=greedy,
+            **passthrough,
         )
         if self.config.stale_segments == "exclude":
             self.apply_exclusion(final_batch, rollouts)
@@ -194,7 +198,8 @@ class PartialRolloutHook:
         return PrefillDataloader(dataloader, self)
 
     def validation_rollout(
-        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy
+        self, original, policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, greedy=False,
+        **passthrough,
     ):
         """Validation answers are generated to completion (in budget-sized segments, one policy)."""
         budget = self.config.token_budget
@@ -220,13 +225,14 @@ class PartialRolloutHook:
         rollouts = [g.rollouts[0] for g in groups]
         replay = ReplayGeneration(rollouts, tokenizer.pad_token_id, wrap=_batch_class())
         return original(
-            replay,
-            input_batch,
-            tokenizer,
-            task_to_env,
+            policy_generation=replay,
+            input_batch=input_batch,
+            tokenizer=tokenizer,
+            task_to_env=task_to_env,
             max_seq_len=max_seq_len,
             max_rollout_turns=1,
             greedy=greedy,
+            **passthrough,
         )
 
     def _cap_for(self, prompt_tokens: list[int], max_seq_len: int) -> int:
@@ -312,8 +318,9 @@ class PartialRolloutHook:
             exclude_stale_prefix(final_batch["message_log"][i], assistant_index, num_stale)
 
     # ---- versions and checkpoints -----------------------------------------------------------------------
-    def attach(self, policy: Any = None, checkpointer: Any = None) -> PartialRolloutHook:
-        """Count policy versions on `policy.train` and save/restore state with `checkpointer`'s checkpoints."""
+    def attach(self, policy: Any = None, checkpoints: CheckpointHooks | None = None) -> PartialRolloutHook:
+        """Count policy versions on `policy.train`; write the in-flight state into every checkpoint through
+        `checkpoints` (and restore it from the newest one)."""
         if policy is not None:
             train = policy.train
 
@@ -324,16 +331,10 @@ class PartialRolloutHook:
 
             policy.train = counted_train
             self._restore.append(lambda: setattr(policy, "train", train))
-        if checkpointer is not None:
-            finalize = checkpointer.finalize_checkpoint
-
-            def finalize_with_rollouts(checkpoint_path, *args, **kwargs):
-                self.save(checkpoint_path)  # into tmp_step_N before it is renamed: saved atomically with it
-                return finalize(checkpoint_path, *args, **kwargs)
-
-            checkpointer.finalize_checkpoint = finalize_with_rollouts
-            self._restore.append(lambda: setattr(checkpointer, "finalize_checkpoint", finalize))
-            latest = checkpointer.get_latest_checkpoint_path()
+        if checkpoints is not None:
+            self.checkpoints = checkpoints
+            checkpoints.add(STATE_FILE, lambda tmp_dir: bool(self.save(tmp_dir)))
+            latest = checkpoints.checkpointer.get_latest_checkpoint_path()
             if latest is not None:
                 if (Path(latest) / STATE_FILE).exists():
                     self.load(latest)
@@ -393,7 +394,7 @@ class PartialRolloutHook:
             raise ValueError(f"{path}: {exc}") from None
 
     def uninstall(self) -> None:
-        """Undo every patch (grpo module names, policy.train, checkpointer.finalize_checkpoint)."""
+        """Undo every patch (grpo module names, policy.train)."""
         while self._restore:
             self._restore.pop()()
 
@@ -458,7 +459,7 @@ def install_partial_rollouts(
     `partial_config` defaults to the config's `partial_rollouts:` block. Sets
     `policy.generation.max_new_tokens` to `token_budget` (the old value becomes the total response cap
     unless `max_response_tokens` is given) and wraps `grpo.run_multi_turn_rollout` and `grpo.validate`.
-    Then call `hook.attach(policy, checkpointer)` after setup. Raises PartialRolloutSetupError listing
+    Then call `hook.attach(policy, checkpoint_hooks)` after setup. Raises PartialRolloutSetupError listing
     every incompatible setting.
     """
     if partial_config is None:

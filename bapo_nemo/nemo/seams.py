@@ -1,0 +1,315 @@
+"""Every place the adapter touches NeMo-RL, and the proof that each is still on its call path.
+
+`SEAMS` below is the one table: what we wrap, replace, subclass or call privately, why, where upstream
+calls it, and how we know it is live. Before Ray starts, `verify_seams(config)` reads the installed
+NeMo-RL's source (its AST, not its version string) and refuses the run, one line per broken seam, when a
+seam this config needs is off the call path: a wrapped method upstream no longer calls, a module name it
+no longer looks up as a global, a return shape that changed. What can only be known later (a checkpoint
+finalised by a path our hook does not see) is checked by `checkpoint_hooks.CheckpointHooks.check` at the
+first moment the hook must have fired.
+
+Why static checks: on NeMo-RL main, checkpoints are finalised through `begin_finalization`, not
+`finalize_checkpoint`, and our wrappers of the latter silently stopped running. A seam that upstream stops
+calling must stop the run before it starts, never lose data in silence.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from bapo_nemo.nemo.installed import TESTED_NEMO_RL, version_line
+
+GRPO = "nemo_rl.algorithms.grpo"
+LOSSES = "nemo_rl.algorithms.loss.loss_functions"
+LOGGER = "nemo_rl.utils.logger"
+CHECKPOINT = "nemo_rl.utils.checkpoint"
+
+
+class SeamError(RuntimeError):
+    """A seam this run needs is not on the installed NeMo-RL's call path; one line per seam."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """`function` of `module` (`name` or `Class.name`) contains `code`: a call whose callee reads `code`
+    (`ast.unparse`), or an attribute read equal to it."""
+
+    module: str
+    function: str
+    code: str
+    keyword: str | None = None  # the call passes this keyword argument
+    argument: str | None = None  # the call passes this name as an argument
+    global_name: bool = False  # `code` is a module name we replace: looked up as a global, not bound locally
+    returns: int | None = None  # instead of `code`: every `return` gives a tuple of this many values
+    loop: str = "both"  # the train loop this site is on: "sync", "async" or "both"
+
+    def missing(self) -> str:
+        """What upstream no longer does, as one clause."""
+        if self.returns is not None:
+            return f"{self.function} no longer returns {self.returns} values"
+        if self.code.startswith("self."):
+            return f"{self.function} no longer reads {self.code}"
+        extra = f" with {self.keyword}=" if self.keyword else f" passing {self.argument}" if self.argument else ""
+        scope = " as a module global" if self.global_name else ""
+        return f"{self.function} no longer calls {self.code}(...){extra}{scope}"
+
+
+def _always(_: Mapping) -> bool:
+    return True
+
+
+def _partial(config: Mapping) -> bool:
+    return config.get("partial_rollouts") is not None
+
+
+def _checkpointing(config: Mapping) -> bool:
+    return bool((config.get("checkpointing") or {}).get("enabled", True))
+
+
+def _validation_stop(config: Mapping) -> bool:
+    return (config.get("grpo") or {}).get("stop_at_validation_metric") is not None
+
+
+@dataclass(frozen=True)
+class Seam:
+    target: str  # module:qualname of what we touch
+    how: str
+    ours: str  # where in bapo_nemo
+    why: str
+    sites: tuple[Site, ...]
+    runtime: str = ""  # the check made while the run goes on, where the static one cannot see everything
+    feature: str | None = None  # the config feature that needs this seam (None: every run)
+    applies: Callable[[Mapping], bool] = field(default=_always, compare=False)
+
+
+SEAMS: tuple[Seam, ...] = (
+    Seam(
+        f"{LOSSES}:ClippedPGLossFn",
+        "subclassed",
+        "nemo/loss.py BAPOLossFn",
+        "BAPO's bounds go into the parent's clip epsilons per call; the parent computes the loss",
+        (
+            Site(LOSSES, "ClippedPGLossFn.__call__", "self.ratio_clip_min"),
+            Site(LOSSES, "ClippedPGLossFn.__call__", "self.ratio_clip_max"),
+            Site(GRPO, "grpo_train", "policy.train", argument="loss_fn", loop="sync"),
+            Site(GRPO, "async_grpo_train", "policy.train", argument="loss_fn", loop="async"),
+        ),
+    ),
+    Seam(
+        f"{GRPO}:setup",
+        "return value unpacked",
+        "nemo/driver.py main",
+        "the driver takes setup()'s 13 values; a changed shape would fail after Ray, vLLM and Megatron started",
+        (Site(GRPO, "setup", "", returns=13),),
+    ),
+    Seam(
+        f"{GRPO}:TimeoutChecker",
+        "module name replaced by a subclass",
+        "nemo/stop_signal.py",
+        "SIGUSR1 (Slurm's pre-timeout signal) makes the loop checkpoint and stop",
+        (
+            Site(GRPO, "grpo_train", "TimeoutChecker", global_name=True, loop="sync"),
+            Site(GRPO, "grpo_train", "timeout.check_save", loop="sync"),
+            Site(GRPO, "async_grpo_train", "TimeoutChecker", global_name=True, loop="async"),
+            Site(GRPO, "async_grpo_train", "timeout.check_save", loop="async"),
+        ),
+    ),
+    Seam(
+        f"{GRPO}:run_multi_turn_rollout",
+        "module name replaced by a wrapper",
+        "nemo/partial_rollout.py",
+        "partial rollouts: responses cut at the token budget and resumed in later steps",
+        (
+            Site(GRPO, "grpo_train", "run_multi_turn_rollout", global_name=True, loop="sync"),
+            Site(GRPO, "validate", "run_multi_turn_rollout", global_name=True, loop="sync"),
+        ),
+        feature="partial_rollouts",
+        applies=_partial,
+    ),
+    Seam(
+        f"{GRPO}:validate",
+        "module name replaced by a wrapper",
+        "nemo/partial_rollout.py",
+        "validation answers are generated to completion, not cut at the token budget",
+        (Site(GRPO, "grpo_train", "validate", global_name=True, loop="sync"),),
+        feature="partial_rollouts",
+        applies=_partial,
+    ),
+    Seam(
+        f"{CHECKPOINT}:CheckpointManager.init_tmp_checkpoint",
+        "instance method wrapped",
+        "nemo/checkpoint_hooks.py",
+        "partial_rollouts.json and parity_logprobs.json are written into tmp_step_N, so they become visible "
+        "with the checkpoint's rename",
+        (
+            Site(GRPO, "grpo_train", "checkpointer.init_tmp_checkpoint", loop="sync"),
+            Site(GRPO, "async_grpo_train", "checkpointer.init_tmp_checkpoint", loop="async"),
+        ),
+        runtime="every step_N finalised during the run must have passed through the wrapper with its files "
+        "(CheckpointHooks.check: at the next rollout, the next policy.train and the loop's end)",
+        feature="checkpointing",
+        applies=_checkpointing,
+    ),
+    Seam(
+        "nemo_rl.models.policy.lm_policy:Policy.train",
+        "instance method wrapped",
+        "nemo/step_bounds.py, packing.py, step_signal.py, partial_rollout.py, checkpoint_hooks.py",
+        "per-step bounds, the FP8 packed width, the signal metrics, policy versions, the checkpoint watch",
+        (
+            Site(GRPO, "grpo_train", "policy.train", loop="sync"),
+            Site(GRPO, "async_grpo_train", "policy.train", loop="async"),
+        ),
+    ),
+    Seam(
+        f"{LOGGER}:Logger.log_metrics",
+        "instance method wrapped",
+        "nemo/driver.py record_finished_steps, nemo/step_signal.py warn_on_zero_spread",
+        "the async loop's finished steps (its last log of a step says step_finished=True); the zero-spread watch",
+        (
+            Site(GRPO, "grpo_train", "logger.log_metrics", loop="sync"),
+            Site(GRPO, "async_grpo_train", "logger.log_metrics", keyword="step_finished", loop="async"),
+        ),
+    ),
+    Seam(
+        f"{LOGGER}:MLflowLogger.log_hyperparams",
+        "class method replaced",
+        "tracking/nemo_rl.py",
+        "secrets redacted before MLflow; a resumed run keeps its first params instead of failing",
+        (
+            Site(LOGGER, "Logger.log_hyperparams", "logger.log_hyperparams"),
+            Site(GRPO, "setup", "logger.log_hyperparams"),
+            Site(LOGGER, "MLflowLogger.log_hyperparams", "flatten_dict"),
+        ),
+    ),
+    Seam(
+        f"{LOGGER}:MLflowLogger.log_metrics",
+        "instance method replaced; private functions called",
+        "tracking/nemo_rl.py",
+        "metrics go through the outage journal, named as upstream names them (its own private helpers)",
+        (
+            Site(LOGGER, "Logger.log_metrics", "logger.log_metrics"),
+            Site(LOGGER, "MLflowLogger.log_metrics", "_merge_generation_logger_workers"),
+            Site(LOGGER, "MLflowLogger.log_metrics", "flatten_dict"),
+            Site(LOGGER, "MLflowLogger.log_metrics", "_summarize_list"),
+        ),
+    ),
+    Seam(
+        f"{GRPO}:_validation_early_stop_message",
+        "private function called",
+        "nemo/installed.py validation_early_stop",
+        "an async loop that stopped at grpo.stop_at_validation_metric ended normally, not in a failure",
+        (Site(GRPO, "async_grpo_train", "_validation_early_stop_message", global_name=True, loop="async"),),
+        feature="grpo.stop_at_validation_metric",
+        applies=_validation_stop,
+    ),
+)
+
+
+# ---- the static check -----------------------------------------------------------------------------------
+@cache
+def _module_tree(module: str) -> ast.Module:
+    return ast.parse(inspect.getsource(importlib.import_module(module)))
+
+
+def _function(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    scope: list[ast.stmt] = tree.body
+    *classes, name = qualname.split(".")
+    for cls in classes:
+        scope = next((n.body for n in scope if isinstance(n, ast.ClassDef) and n.name == cls), [])
+    return next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
+
+
+def _binds_locally(function: ast.AST, name: str) -> bool:
+    """Whether `name` is assigned or imported inside `function` (then our module-level replacement misses)."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+            (a.asname or a.name.split(".")[0]) == name for a in node.names
+        ):
+            return True
+    return False
+
+
+def _own_nodes(function: ast.AST):
+    """The nodes of `function`'s body, without those of functions defined inside it."""
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _site_holds(function: ast.AST, site: Site) -> bool:
+    if site.returns is not None:
+        returns = [n for n in _own_nodes(function) if isinstance(n, ast.Return) and n.value is not None]
+        return bool(returns) and all(isinstance(r.value, ast.Tuple) and len(r.value.elts) == site.returns
+                                     for r in returns)
+    if site.global_name and _binds_locally(function, site.code):
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == site.code:
+            if site.keyword and not any(k.arg == site.keyword for k in node.keywords):
+                continue
+            if site.argument and not any(
+                ast.unparse(a) == site.argument for a in [*node.args, *(k.value for k in node.keywords)]
+            ):
+                continue
+            return True
+        is_read = isinstance(node, ast.Attribute) and not site.keyword and not site.argument
+        if is_read and ast.unparse(node) == site.code:
+            return True
+    return False
+
+
+def _target_exists(target: str) -> bool:
+    module, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return True
+
+
+def needed_seams(config: Mapping) -> list[Seam]:
+    return [s for s in SEAMS if s.applies(config)]
+
+
+def seam_problems(config: Mapping) -> list[str]:
+    """One line per seam this config needs that is off the installed NeMo-RL's call path."""
+    loop = "async" if ((config.get("grpo") or {}).get("async_grpo") or {}).get("enabled") else "sync"
+    problems = []
+    for seam in needed_seams(config):
+        broken: list[str] = []
+        if not _target_exists(seam.target):
+            broken.append(f"{seam.target.replace(':', '.')} does not exist")
+        for site in seam.sites:
+            if site.loop not in ("both", loop):
+                continue
+            function = _function(_module_tree(site.module), site.function)
+            if function is None:
+                broken.append(f"{site.module}.{site.function} does not exist")
+            elif not _site_holds(function, site):
+                broken.append(site.missing())
+        if broken:
+            todo = f"turn {seam.feature} off, or run" if seam.feature else "run"
+            problems.append(
+                f"{version_line()}: cannot place the hook on {seam.target.replace(':', '.')} ({seam.how}, "
+                f"bapo_nemo/{seam.ours}): {'; '.join(broken)}. {todo.capitalize()} a tested NeMo-RL: {TESTED_NEMO_RL}"
+            )
+    return problems
+
+
+def verify_seams(config: Mapping) -> None:
+    """Refuse the run (SeamError, one line per broken seam) before anything starts."""
+    problems = seam_problems(config)
+    if problems:
+        raise SeamError("\n".join(problems))
