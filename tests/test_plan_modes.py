@@ -36,6 +36,10 @@ def test_a_runnable_async_config_passes_and_reports_its_own_pipeline(capsys):
     result = json.loads(capsys.readouterr().out)
     own = result["generation"]["async_grpo"]
     modes = {m["mode"]: m for m in result["generation"]["modes"]}
+    # the search finds the config's own mode on its own split too: one row, the config's
+    assert [m["mode"] for m in result["generation"]["modes"] if "in-flight, age 1" in m["mode"]] == [
+        "async + in-flight, age 1 (this config)"
+    ]
     mine = modes["async + in-flight, age 1 (this config)"]
     assert mine["this_config"] and mine["vs_this_config"] == 1.0
     assert mine["split"] == "32 gen + 32 train (TP8 PP1 CP4 DP1)"

@@ -257,6 +257,8 @@ def compare_modes(config: dict, plan: ClusterPlan, step: StepPlan, nodes: int, g
     if setting is not None and step.own_async is not None:
         shipped = async_result(step.own_async, Split(plan.generation_gpus, config, plan), setting, gpus)
         shipped.mode = f"{setting.label} (this config)"
+        # the search may have found the config's own mode on its own split: one row, the config's
+        rows = [r for r in rows if not (r.setting == setting and r.split == shipped.split)]
         rows.append(shipped)
     else:
         shipped = rows[1] if step.report.configured is not None else rows[0]
