@@ -7,6 +7,7 @@ loads a downloaded model. Nothing is faked; the `gpu` test runs the same path on
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import warnings
@@ -172,6 +173,26 @@ def test_trains_a_pretrained_model_of_each_family_on_a_parquet_dataset(tmp_path,
     assert tok.pad_token_id is not None  # the pad token chosen for a tokenizer without one is saved with it
     info = json.loads((out / "checkpoints" / "step_2" / "training_info.json").read_text())
     assert info["model_name"] == str(model_dir)
+
+    # the export says how it was prompted: its chat template builds the training prompt from a question (a
+    # tokenizer without one gets one that puts the question in data.prompt_template; one with its own keeps
+    # it, and the card's code puts the question in the template first), shown on a held-out question
+    exported = tmp_path / "export"
+    done = cli_process.run("export", str(out), "--out", str(exported), cwd=tmp_path, env=cli_process.cli_env(),
+                           timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    card = (exported / "README.md").read_text()
+    question = info["example"]["question"]
+    a, b = re.fullmatch(r"What is (\d) \+ (\d)\?", question).groups()
+    assert info["example"]["answer"] == str(int(a) + int(b))
+    template = "{prompt} Put the answer in \\boxed{}."
+    own_chat_template = FAMILIES[family][2]["chat_template"]
+    content = template.replace("{prompt}", question) if own_chat_template else question
+    assert f'"content": {json.dumps(content)}' in card and f"a held-out question of the run: `{question}`" in card
+    assert str(tmp_path) not in card
+    ids = AutoTokenizer.from_pretrained(exported).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids == encode_prompt(AutoTokenizer.from_pretrained(model_dir), template.replace("{prompt}", question))
 
 
 def test_bf16_autocast_and_gradient_checkpointing_on_cpu_and_resume(tmp_path):
@@ -444,8 +465,6 @@ def test_the_readme_own_model_command_on_a_small_dataset_names_every_problem_at_
     message, each with a value that works (a fifth of the rows held out; the window minus the longest
     prompt, computed here with transformers' own chat template), and the same command with exactly those
     values appended then trains. Paths that name nothing are said together too, before anything loads."""
-    import re
-
     readme = readme_own_model_command()
     model_dir = save_tiny_model("qwen2", tmp_path, window=256, name="tiny_model")
     (tmp_path / "configs").symlink_to(Path(__file__).resolve().parents[1] / "configs")

@@ -301,9 +301,9 @@ CASES = [
          [("skipped 2 malformed row(s) of 8 (line 7: answer has characters outside the vocabulary: '.'; line 8: "
            "answer has characters outside the vocabulary: '.')")]),
     Case("responses longer than the bundled model's context", _train(None, "partial_rollouts.max_response_tokens=90"), 2,
-         ["partial_rollouts.max_response_tokens=90 plus the longest prompt (~13 tokens) exceeds "
+         [("partial_rollouts.max_response_tokens=90 plus the longest prompt (~13 tokens) exceeds "
           "model.max_position_embeddings=96: set partial_rollouts.max_response_tokens=83 or lower, or set "
-          "model.max_position_embeddings=103 or higher"]),
+          "model.max_position_embeddings=103 or higher")]),
     Case("check --gpus-per-node -1", lambda tmp: ["check", str(REPO / "configs/bapo_7b.yaml"), "--nodes", "1",
                                                   "--gpus-per-node", "-1"], 2, ["--gpus-per-node: must be >= 1"]),
 ]
@@ -387,6 +387,49 @@ def test_exported_model_answers_through_the_public_path(trained, tmp_path):
         as_trained = source.generate(trainer_ids, attention_mask=torch.ones_like(trainer_ids), max_new_tokens=8,
                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)
         assert plain.tolist() == as_trained.tolist()
+
+
+def test_the_export_and_hf_final_say_how_to_prompt_them_and_hold_no_local_path(trained, tmp_path):
+    """The card of the exported model (and of the run's hf_final) gives the prompt format and code that builds
+    a prompt with the chat template saved beside the tokenizer, for a held-out question of the run; the
+    export's card adds the model's greedy response, and that code, run as written with only the placeholder
+    path replaced, prints exactly that response. The chat template gives the trainer's own prompt ids.
+    Neither card nor bapo_training_info.json holds a path of this machine."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from bapo_nemo.embedded.evaluation import encode_prompt
+    from bapo_nemo.embedded.tokenizer import load_tokenizer
+
+    out = tmp_path / "export"
+    done = bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    example = json.loads((trained / "checkpoints" / "step_3" / "training_info.json").read_text())["example"]
+    assert re.fullmatch(r"[\d+-]+\?", example["question"]), example  # a held-out question of the bundled tasks
+    for directory in (out, trained / "hf_final"):
+        card = (directory / "README.md").read_text()
+        assert "## How to prompt it" in card and f"a held-out question of the run: `{example['question']}`" in card
+        code = card.split("```python\n", 1)[1].split("```", 1)[0]
+        assert f'"content": "{example["question"]}"' in code
+        printed = subprocess.run([sys.executable, "-c", code.replace("path/to/this/model", str(directory))],
+                                 capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert printed.returncode == 0, printed.stderr[-2000:]
+        if directory == out:
+            [response] = re.findall(r"This model's greedy response at export: `(.*)`\.", card)
+            assert printed.stdout.strip() == response
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        for question in (example["question"], "7+5-3?", "12 + 3?"):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]
+            assert ids == encode_prompt(load_tokenizer(), question)
+    texts = [(out / "README.md").read_text(), (out / "bapo_training_info.json").read_text(),
+             (trained / "hf_final" / "README.md").read_text()]
+    for local in (str(trained.parent), str(tmp_path), str(REPO), str(Path.home())):
+        assert not any(local in text for text in texts), local
+    assert "| checkpoint | `run/checkpoints/step_3` |" in texts[0]
+    assert "| MLflow tracking URI | `sqlite:///<training run>/mlflow.db` |" in texts[0]
 
 
 def test_weights_and_exports_respect_the_umask(trained, tmp_path):

@@ -310,15 +310,17 @@ def final_model_step(final: Path) -> int | None:
         return None
 
 
-def save_final_model(model, tokenizer, final: Path, step: int) -> None:
-    """``hf_final``: the model and the tokenizer for inference, written beside it and renamed into place, so
-    it always holds one whole model, of the step its COMPLETE names."""
+def save_final_model(model, tokenizer, final: Path, step: int, card: str | None = None) -> None:
+    """``hf_final``: the model and the tokenizer for inference (and `card` as its README.md), written beside
+    it and renamed into place, so it always holds one whole model, of the step its COMPLETE names."""
     for leftover in final.parent.glob(f".{final.name}.tmp*"):  # of a process that died while writing it
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
     with disk_full_is_named(f"the final model {final}", tmp):
         save_model(model, tmp)
         save_inference_tokenizer(tokenizer, tmp)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
         _fsync_tree(tmp)
         (tmp / COMPLETE).write_text(f"step {step}\n")
     replace_dir(tmp, final)

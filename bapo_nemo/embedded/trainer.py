@@ -41,6 +41,7 @@ from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, run_params
 from bapo_nemo.embedded.evaluation import decode_response, evaluate
 from bapo_nemo.embedded.model import DTYPES, load_policy, prepare_policy
+from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
 from bapo_nemo.embedded.resume import checkpoint_to_resume, run_to_continue
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
@@ -340,6 +341,7 @@ def _save(run: _Run, at_step: int) -> Path:
         "bapo": run.cfg.loss_fn.bapo.model_dump(mode="json"),
         "model_name": run.cfg.policy.model_name or MODEL_NAME,
         "last_eval": history["eval"][-1] if history["eval"] else None,
+        "example": _example(run),  # for the exported model's card
     }
     rollout_state = {"manager": learner.manager.state_dict(), "replay": learner.replay.state_dict()}
     return ckpt_io.save_checkpoint(
@@ -388,7 +390,9 @@ def _finish(run: _Run) -> dict[str, Any]:
     final = output_dir / "hf_final"
     trained_now = run.resumed_from is None or run.resumed_from.name != f"step_{step}"
     if trained_now or ckpt_io.final_model_step(final) != step:  # e.g. a resumed run that went further
-        ckpt_io.save_final_model(run.learner.model, run.learner.tokenizer, final, step)
+        tokenizer, card = final_model_card(run.learner.tokenizer, run.config_dict, _example(run), step, run.run_id,
+                                           cfg.policy.model_name or MODEL_NAME)
+        ckpt_io.save_final_model(run.learner.model, tokenizer, final, step, card)
     summary["hf_final"] = str(final)
     summary["plot"] = _log_training_plot(run.tracker, run.tracking_uri, run.run_id, output_dir / "plots")
     (output_dir / "summary.json").write_text(json.dumps(redact_nested(summary), indent=2))
@@ -434,6 +438,12 @@ def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
         if len(rows) >= n:
             break
     return rows
+
+
+def _example(run: _Run) -> dict:
+    """A held-out task of the run, as the exported model's card shows it (how to prompt it)."""
+    task = run.eval_tasks[0]
+    return run_example(task.question, task.answer, task.solution, training_template(run.config_dict))
 
 
 def _finite(metrics: dict) -> dict[str, float]:

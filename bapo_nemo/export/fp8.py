@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
+from bapo_nemo.embedded.prompt_format import response_tokens
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
 from bapo_nemo.export.hf import (
     ExportResult,
     atomic_output_dir,
     load_embedded,
-    model_card,
+    prompting_of,
     save_round_trip_tokenizer,
 )
+from bapo_nemo.export.model_card import model_card, portable_info
 from bapo_nemo.export.parity import compare, heldout_sequences, token_logprobs
 
 FP8_MEAN_TOLERANCE = 0.05  # nats per token, averaged; a broken scale gives O(1)
@@ -68,7 +70,8 @@ def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_
     from transformers import AutoModelForCausalLM
 
     mtq, export_hf_checkpoint = import_modelopt()
-    model, tokenizer, info, _ = load_embedded(ref)
+    model, tokenizer, info, config = load_embedded(ref)
+    fmt, example, response = prompting_of(model, tokenizer, config, info)  # the source model's answer
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]  # ModelOpt's export reads it
     sequences = heldout_sequences(model, tokenizer, prompts=parity_prompts)
@@ -88,10 +91,10 @@ def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_
 
     with atomic_output_dir(out, force, ref.path) as tmp:
         export_hf_checkpoint(quantized, export_dir=str(tmp))
-        save_round_trip_tokenizer(tokenizer, tmp)
+        save_round_trip_tokenizer(fmt.tokenizer, tmp)
         if (ref.path / "model" / "generation_config.json").is_file():
             shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
-        (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
+        (tmp / "bapo_training_info.json").write_text(json.dumps(portable_info(info), indent=2))
 
         # reload the written FP8 weights, dequantised, into the source architecture
         plain_config = type(model.config).from_dict({k: v for k, v in source_config.items()
@@ -110,7 +113,8 @@ def export_fp8(ref: CheckpointRef, out: str | Path, force: bool = False, parity_
         if not (parity.passed and fake_quant.passed):
             raise ExportError(f"FP8 export of {ref.path} failed its parity check (weights: {parity.summary()}; "
                               f"weights+activations: {fake_quant.summary()}); nothing was written")
-        (tmp / "README.md").write_text(model_card(info, parity, ref.path, fp8=True)
+        prompting = fmt.section(example, response_tokens(config), response, when="before quantisation")
+        (tmp / "README.md").write_text(model_card(info, parity, ref.path, fp8=True, prompting=prompting)
                                        + f"\nWith FP8 activations too (as served): {fake_quant.summary()}\n")
     return ExportResult(Path(out).resolve(), parity, ref.path, info.get("step"), info.get("mlflow_run_id"),
                         extra={"fake_quant_parity": fake_quant})

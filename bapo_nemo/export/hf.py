@@ -17,7 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from bapo_nemo.embedded.prompt_format import response_tokens
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError, validate_embedded
+from bapo_nemo.export.model_card import model_card, portable_info
 from bapo_nemo.export.parity import (
     ParityResult,
     compare,
@@ -168,95 +170,57 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def save_round_trip_tokenizer(tokenizer, out: Path) -> None:
-    """Save ``tokenizer`` so that ``AutoTokenizer.from_pretrained(out)(text)`` gives :func:`prompt_ids`.
+    """Save ``tokenizer`` so that ``AutoTokenizer.from_pretrained(out)(text)`` gives :func:`prompt_ids`
+    (embedded/tokenizer.py, `save_inference_tokenizer`: a BOS-prepending post-processor, and an ``auto_map``
+    entry so that transformers 5 does not swap in ``Qwen2Tokenizer`` for a qwen2 config, which drops spaces).
+    A chat template set on ``tokenizer`` is saved with it."""
+    from bapo_nemo.embedded.tokenizer import save_inference_tokenizer
 
-    Two things break that with a plain ``save_pretrained``: the tokenizer does not add BOS by itself (the
-    trainer prepends it), so a BOS-prepending post-processor is written into tokenizer.json; and
-    transformers 5 loads any directory whose config.json says ``qwen2`` with ``Qwen2Tokenizer``, which
-    rebuilds the pipeline and drops spaces. An ``auto_map`` entry in tokenizer_config.json skips that
-    override, so the file's own pipeline is used, as in transformers 4 (which reads tokenizer_class).
-    """
-    from tokenizers import Tokenizer, processors
-
-    tokenizer.save_pretrained(str(out))
-    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
-    if bos is not None and tokenizer("1")["input_ids"][:1] != [bos_id]:
-        core = Tokenizer.from_file(str(out / "tokenizer.json"))
-        core.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)])
-        core.save(str(out / "tokenizer.json"))
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    save_inference_tokenizer(tokenizer, out)
 
 
-def model_card(info: dict, parity: ParityResult | None, source: Path, fp8: bool = False) -> str:
-    bapo = info.get("bapo") or {}
-    rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in bapo.items()) or "| (no BAPO block recorded) | |"
-    quant = ("\nWeights of the linear layers are FP8 (e4m3) with per-tensor scales, quantised after training with "
-             "NVIDIA ModelOpt (`quant_method: modelopt`); serve with vLLM or TensorRT-LLM.\n" if fp8 else "")
-    return f"""---
-library_name: transformers
-tags: [bapo, reinforcement-learning, grpo]
----
-# {info.get('model_name', 'model')} trained with BAPO
+def prompting_of(model, tokenizer, config: dict, info: dict):
+    """(the run's prompt format, a held-out example of it, the model's greedy response to the example): the
+    example the trainer recorded, or for an older checkpoint of the bundled tasks one of their format."""
+    from bapo_nemo.embedded.prompt_format import BUNDLED_EXAMPLE, greedy_response, prompt_format
 
-Policy trained with BAPO (Balanced Policy Optimization with Adaptive Clipping, Xi et al., arXiv 2510.18927)
-using bapo-nemo.
-{quant}
-## Source
-
-| | |
-|---|---|
-| checkpoint | `{source}` |
-| step | `{info.get('step')}` |
-| MLflow run id | `{info.get('mlflow_run_id')}` |
-| MLflow tracking URI | `{info.get('mlflow_tracking_uri')}` |
-| config hash | `{info.get('config_hash')}` |
-
-## BAPO settings
-
-| setting | value |
-|---|---|
-{rows}
-
-## Export parity check
-
-{parity.summary() if parity else 'not checked: no reference log-probs were recorded at training time'}
-"""
+    fmt = prompt_format(tokenizer, config)
+    example = info.get("example") or (BUNDLED_EXAMPLE if fmt.bundled else {"question": "What is 17 + 25?"})
+    return fmt, example, greedy_response(model, fmt, example["question"], response_tokens(config))
 
 
 def export_embedded(ref: CheckpointRef, out: str | Path, force: bool = False,
                     parity_prompts: list[str] | None = None, progress=print) -> ExportResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tokenizer, info, _ = load_embedded(ref)
+    model, tokenizer, info, config = load_embedded(ref)
     progress(f"loaded {ref.path} (step {info.get('step')}, {sum(p.numel() for p in model.parameters()):,} parameters)")
     sequences = heldout_sequences(model, tokenizer, prompts=parity_prompts)
     reference = token_logprobs(model, sequences)
+    fmt, example, response = prompting_of(model, tokenizer, config, info)
     with atomic_output_dir(out, force, ref.path) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        save_round_trip_tokenizer(tokenizer, tmp)
+        save_round_trip_tokenizer(fmt.tokenizer, tmp)
         try:  # the file as trained (save_pretrained wrote the loaded copy, in case a pruning removed it since)
             shutil.copy2(ref.path / "model" / "generation_config.json", tmp / "generation_config.json")
         except FileNotFoundError:
             pass
-        (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
+        (tmp / "bapo_training_info.json").write_text(json.dumps(portable_info(info), indent=2))
 
         # parity: reload the written directory exactly as a user would; its tokenizer must encode each
-        # prompt as the trainer did (BOS, spaces), through the plain AutoTokenizer call
+        # prompt as the trainer did (BOS, spaces) through the plain AutoTokenizer call, and its chat template
+        # must build the trainer's prompt from a question
         reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype="auto").eval()
         reloaded_tok = AutoTokenizer.from_pretrained(str(tmp))
-        tokenizer_match = all(prompt_ids(tokenizer, p) == reloaded_tok(p)["input_ids"]
-                              for p in representable_prompts(tokenizer, parity_prompts) + [" 7 + 5 ?"])
+        questions = representable_prompts(tokenizer, parity_prompts) + [example["question"]]
+        tokenizer_match = (all(prompt_ids(tokenizer, p) == reloaded_tok(p)["input_ids"] for p in questions + [" 7 + 5 ?"])
+                           and all(fmt.chat_ids(reloaded_tok, q) == fmt.training_ids(tokenizer, q) for q in questions))
         parity = compare(reference, token_logprobs(reloaded, sequences), tolerance_for(model.dtype), tokenizer_match)
         progress(parity.summary())
         if not parity.passed:
             raise ExportError(f"export of {ref.path} failed its parity check ({parity.summary()}); nothing was "
                               "written. Check the transformers version used for training and export.")
-        card = model_card(info, parity, ref.path)
+        card = model_card(info, parity, ref.path, prompting=fmt.section(example, response_tokens(config), response))
         if type(reloaded_tok).__name__ != type(tokenizer).__name__:
             # transformers 5 forces the model type's tokenizer class for some types (qwen2 among them)
             note = (f"`AutoTokenizer` loads this directory as `{type(reloaded_tok).__name__}` (chosen by the model "

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
-from bapo_nemo.export.hf import ExportResult, atomic_output_dir, model_card
+from bapo_nemo.export.hf import ExportResult, atomic_output_dir
+from bapo_nemo.export.model_card import model_card, portable_info
 from bapo_nemo.export.parity import compare, criterion_for, read_reference_logprobs, token_logprobs
 from bapo_nemo.tracking.redact import redact_text
 
@@ -104,7 +105,7 @@ def export_megatron(ref: CheckpointRef, out: str | Path, force: bool = False, pr
             progress(parity.summary())
             if not parity.passed:
                 raise ExportError(f"export of {step_dir} failed its parity check ({parity.summary()})")
-        (tmp / "bapo_training_info.json").write_text(json.dumps(info, indent=2))
+        (tmp / "bapo_training_info.json").write_text(json.dumps(portable_info(info), indent=2))
         (tmp / "README.md").write_text(model_card(info, parity, step_dir))
     return ExportResult(Path(out).resolve(), parity, step_dir, ref.step, info.get("mlflow_run_id"))  # type: ignore[arg-type]
 
