@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from bapo_nemo.algorithm import BAPOConfig
@@ -104,3 +105,32 @@ def test_update_does_not_depend_on_how_rows_are_cut_into_micro_batches():
     lengths = sorted(batch.attention_mask.sum(-1).tolist(), reverse=True)
     fixed_slices = 8 * lengths[0] + 8 * lengths[8]  # what fixed slices of 8 sorted rows would forward
     assert sum(lengths) <= padded[8] < fixed_slices
+
+
+def test_an_update_reports_its_whole_mini_batch_whether_searched_per_micro_batch_or_once():
+    """Fixed bounds applied per micro-batch (loss_fn.bapo.enabled=false) and one step-wide search whose
+    bounds stay at the same [0.8, 1.2] report what one search over the whole mini-batch reports, computed
+    here before the update: the same token counts, masses, clip fractions and share rho = P / (P + N). So a
+    fixed-clip run and a BAPO run count the same tokens. (Before, a step search's counts were added once per
+    micro-batch, 3x here, and a fixed-clip share was the token-weighted mean of the micro-batches'.)"""
+    from bapo_nemo.algorithm import importance_ratio, search_clip_bounds
+
+    tokenizer = load_tokenizer()
+    base = build_model(ModelConfig(hidden_size=64, intermediate_size=128, max_position_embeddings=128), tokenizer, 0)
+    batch = _stale_batch(base, n=12, seed=5)
+    fixed = BAPOConfig(enabled=False, c_low_min=0.8, c_high_min=1.2, granularity="microbatch")
+    pinned = BAPOConfig(granularity="step", c_low_min=0.8, c_low_max=0.8, c_high_min=1.2, c_high_max=1.2)
+    with torch.no_grad():
+        current, _ = token_logprobs_and_entropy(base, batch.input_ids, batch.attention_mask, with_entropy=False)
+    ratio = importance_ratio(current, batch.behavior_logprobs)
+    whole = search_clip_bounds(ratio, batch.advantages.expand_as(ratio), batch.mask, fixed)
+    assert whole.tokens_pos > 0 and whole.tokens_neg > 0 and 0 < whole.clipfrac_pos and 0 < whole.clipfrac_neg
+    for bapo in (fixed, pinned):
+        model = copy.deepcopy(base)
+        metrics = policy_update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch,
+                                batch.behavior_logprobs, batch.loss_weights, bapo, micro_batch_size=4,
+                                grad_clip=1.0, step_search_graph_tokens=10**6)
+        for key in ("num_tokens", "tokens_pos", "tokens_neg"):
+            assert metrics[f"bapo/{key}"] == getattr(whole, key), (bapo.granularity, key)
+        for key in ("positive_mass", "negative_mass", "clipfrac_pos", "clipfrac_neg", "rho", "rho_initial"):
+            assert metrics[f"bapo/{key}"] == pytest.approx(getattr(whole, key), rel=1e-5), (bapo.granularity, key)

@@ -122,6 +122,39 @@ def forward_logprobs(model, batch: TokenBatch, micro_batch_size: int) -> torch.T
     return out
 
 
+# Per-micro-batch search statistics that add up over the mini-batch, and fractions with what they are of.
+_COUNTS = ("bapo/num_tokens", "bapo/nonfinite_tokens", "bapo/tokens_pos", "bapo/tokens_neg", "bapo/positive_mass",
+           "bapo/negative_mass")
+_FRACTION_OF = {"bapo/clipfrac_pos": "bapo/tokens_pos", "bapo/clipfrac_neg": "bapo/tokens_neg",
+                "bapo/clipfrac_dual": "bapo/tokens_neg"}
+
+
+def update_metrics(per_micro: list[tuple[float, dict[str, float]]], one_search: bool, enabled: bool) -> dict:
+    """One update's search statistics over its whole mini-batch, from its loss calls' (token share, metrics).
+    With one search for the mini-batch (granularity step) every call reports that search: taken once. With a
+    search per call, counts and masses add up, fractions are weighted by what they are fractions of, other
+    values by tokens, and rho is the summed masses' share P / (P + N) (1 without negative mass, as the
+    search reports it). So rho is the mini-batch's share at the bounds used, and the token counts are the
+    mini-batch's, at either granularity: a fixed-clip run and a BAPO run count the same tokens."""
+    if one_search:
+        return dict(per_micro[0][1])
+    keys = per_micro[0][1]
+    out = {key: sum(share * metrics[key] for share, metrics in per_micro) for key in keys}
+    for key in _COUNTS:
+        if key in keys:
+            out[key] = sum(metrics[key] for _, metrics in per_micro)
+    for key, of in _FRACTION_OF.items():
+        if key in keys:
+            total = out[of]
+            out[key] = sum(metrics[key] * metrics[of] for _, metrics in per_micro) / total if total > 0 else 0.0
+    positive, negative = out.get("bapo/positive_mass", 0.0), out.get("bapo/negative_mass", 0.0)
+    if "bapo/rho" in keys:
+        out["bapo/rho"] = positive / (positive + negative) if negative > 0 else 1.0
+    if "bapo/rho_initial" in keys and not enabled:  # fixed bounds: the starting bounds are the bounds
+        out["bapo/rho_initial"] = out["bapo/rho"]
+    return out
+
+
 def policy_update(
     model,
     optimizer,
@@ -161,7 +194,8 @@ def policy_update(
             ratio, batch.advantages.expand_as(ratio), batch.mask, bapo, weights=importance_weights
         )
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = {"loss": 0.0}
+    per_micro: list[tuple[float, dict[str, float]]] = []  # (token share, the loss call's metrics)
     entropy_sum = 0.0
     for k, rows in enumerate(micro_batches):
         micro = batch.select(rows)
@@ -185,15 +219,11 @@ def policy_update(
             loss = loss - entropy_coef * masked_entropy / n_tokens
         loss.backward()
         entropy_sum += float(masked_entropy.detach())
-        share = float(micro.mask.sum()) / float(n_tokens)  # token-weighted mean over micro-batches
-        for key, value in metrics.items():
-            if key.startswith("bapo/tokens_"):
-                sums[key] = sums.get(key, 0.0) + value
-            else:
-                sums[key] = sums.get(key, 0.0) + share * value
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        per_micro.append((float(micro.mask.sum()) / float(n_tokens), metrics))
+        sums["loss"] += float(loss.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
+    sums.update(update_metrics(per_micro, one_search=bounds is not None, enabled=bapo.enabled))
     sums["entropy"] = entropy_sum / float(n_tokens)
     sums["grad_norm"] = float(grad_norm)
     return sums
