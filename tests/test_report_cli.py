@@ -175,7 +175,7 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
     fig, _ = draw_panels([run])
     fig.canvas.draw()
     axes = {ax.get_title(): ax for ax in fig.axes}
-    rho = axes["Positive contribution rho"]
+    rho = axes["Positive share rho"]
     chosen, starting = rho.lines[0], rho.lines[1]
     assert list(chosen.get_xdata()) == [1, 2, 3, 4, 5, 6]
     assert [math.isnan(y) for y in chosen.get_ydata()] == [False, False, True, True, False, False]
@@ -184,7 +184,7 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
                for title, ax in axes.items() if ax.get_legend()}
     assert legends == {
         "Training reward": ["mean reward", "groups with zero reward spread"],
-        "Positive contribution rho": ["rho at the chosen bounds", "rho at the starting bounds", "target rho0 = 0.5"],
+        "Positive share rho": ["rho at the chosen bounds", "rho at the starting bounds", "target rho0 = 0.5"],
         "Clip bounds": ["c_high", "c_low"],
     }
     clip_styles = [h.get_linestyle() for h in axes["Clip bounds"].get_legend().legend_handles]
@@ -194,6 +194,7 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
         assert ax.yaxis.get_offset_text().get_text() == "", title
     low, high = axes["Policy entropy"].get_ylim()
     assert high - low >= 0.01 * 6.1347 * 0.999  # a flat curve reads as flat
+    assert rho.get_ylim() == (-0.03, 1.03)  # a share: its axis is [0, 1]
     plt.close(fig)
 
     two = [run, _one_run(store, "other", {1: {"reward/mean": 0.2}})]
@@ -203,10 +204,84 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
     plot_panels([run], tmp_path / "zero_spread.png")  # renders
 
 
-def test_rho_panel_says_why_it_is_empty_when_no_step_had_reward_spread(store):
+def test_no_empty_panel_a_panel_without_data_is_named_under_the_figure_with_why(store):
+    """No step had reward spread, so rho is undefined in every step; entropy and the rest were not logged.
+    Only the reward panel is drawn; the others are named, with the reason, in one line under the figure."""
     from bapo_nemo.tracking.report import draw_panels
 
     run = _one_run(store, "all-zero", {s: {"reward/mean": 0.0, "frac_reward_zero_std": 1.0} for s in (1, 2)})
-    fig, _ = draw_panels([run])
-    rho = next(ax for ax in fig.axes if ax.get_title() == "Positive contribution rho")
-    assert "each group's" in rho.texts[0].get_text() and "same reward" in rho.texts[0].get_text()
+    fig, panels = draw_panels([run])
+    assert [p.title for p in panels] == ["Training reward"]
+    assert [ax.get_title() for ax in fig.axes if ax.axison] == ["Training reward"]
+    [note] = [t.get_text() for t in fig.texts if t is not fig._suptitle]
+    assert note.startswith("not drawn: Held-out avg@k (not logged by these runs); Policy entropy (not logged")
+    assert ("Positive share rho (undefined in every step: each group's responses all got the same reward)"
+            in note)
+
+
+def _intervals_run(store, name: str, heldout: dict[int, tuple[float, float]], tokens: tuple[float, float],
+                   clipped: tuple[float, float]) -> str:
+    """A run of experiment "intervals": held-out avg@4 {step: (value, standard error)} over 64 prompts, and
+    rho measured over `tokens` (positive, negative) of which `clipped` (shares) lost their gradient."""
+    tracker = MlflowTracker(store["uri"], "intervals", run_name=name, buffer_dir=store["root"] / "buf")
+    run_id = tracker.start({"loss_fn": {"bapo": {"rho0": 0.5}}}, {})
+    for step in range(1, 5):
+        tracker.log_metrics({"reward/mean": 0.5, "bapo/rho": 0.5, "bapo/rho_initial": 0.48,
+                             "bapo/tokens_pos": tokens[0], "bapo/tokens_neg": tokens[1],
+                             "bapo/clipfrac_pos": clipped[0], "bapo/clipfrac_neg": clipped[1],
+                             "bapo/clipfrac_dual": 0.0}, step=step)
+    for step, (value, stderr) in heldout.items():
+        tracker.log_metrics({"eval/avg_at_k": value, "eval/avg_at_k_stderr": stderr, "eval/num_prompts": 64,
+                             "eval/samples_per_prompt": 4}, step=step)
+    tracker.finish()
+    return run_id
+
+
+def test_held_out_points_carry_their_sample_and_interval_and_rho_says_what_it_counts(store, tmp_path):
+    """Two one-seed runs whose held-out avg@4 spans 0.51-0.61 over 64 prompts x 4 samples (standard errors
+    0.03 and 0.031 over prompts): each point gets its 95% interval (1.96 standard errors either side), the
+    panel names the sample, and the axis spans [0, 1], so a 0.01 difference is not drawn as a gap. Their rho
+    is measured over different tokens (BAPO 600 x 0.9 + 500 x 0.8 = 940 with gradient per update, fixed
+    clip 200 x 0.7 + 150 x 0.8 = 260): the rho panel names each count and says the sets differ. The report
+    command prints the same in words."""
+    from mlflow.tracking import MlflowClient
+
+    from bapo_nemo.tracking.report import draw_panels, load_run
+    from tests import cli_process
+    from tests.hang_guard import HANG_GUARD_S
+
+    bapo = _intervals_run(store, "bapo", {0: (0.51, 0.03), 4: (0.61, 0.03)}, (600, 500), (0.1, 0.2))
+    fixed = _intervals_run(store, "fixed", {0: (0.51, 0.031), 4: (0.60, 0.031)}, (200, 150), (0.3, 0.2))
+    client = MlflowClient(store["uri"])
+    runs = [load_run(client, client.get_run(run_id)) for run_id in (bapo, fixed)]
+    fig, _ = draw_panels(runs)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.axison}
+    heldout = axes["Held-out avg@k (64 prompts x 4 samples)"]
+    assert heldout.get_ylim() == (-0.03, 1.03)
+    bars = [segment for collection in heldout.collections for segment in collection.get_segments()]
+    assert sorted((round(s[0][0]), round(s[0][1], 4), round(s[1][1], 4)) for s in bars) == [
+        (0, 0.4492, 0.5708), (0, 0.4512, 0.5688), (4, 0.5392, 0.6608), (4, 0.5512, 0.6688)]
+    legend = [t.get_text() for t in heldout.get_legend().get_texts()]
+    assert legend == ["bars: 95% interval over prompts"]
+    rho = [t.get_text() for t in axes["Positive share rho"].get_legend().get_texts()]
+    assert rho[-3:] == ["bapo: over ~940 tokens with gradient per update",
+                        "fixed: over ~260 tokens with gradient per update", "shares over different token sets"]
+    assert axes["Positive share rho"].get_ylim() == (-0.03, 1.03)
+
+    done = cli_process.run("report", "--experiment", "intervals", "--tracking-uri", store["uri"], "--no-log",
+                           "--out", str(tmp_path / "report"), cwd=tmp_path, env=cli_process.cli_env(),
+                           timeout=HANG_GUARD_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    label = {run.name: run.label for run in runs}
+    assert lines[1] == "held-out avg@k, 95% interval over prompts (64 prompts x 4 samples):"
+    assert lines[2].split() == [*label["fixed"].split(), "0.510", "[0.449,", "0.571]", "at", "step", "0", "->",
+                                "0.600", "[0.539,", "0.661]", "at", "step", "4", "(+0.090)"]
+    assert lines[3].split() == [*label["bapo"].split(), "0.510", "[0.451,", "0.569]", "at", "step", "0", "->",
+                                "0.610", "[0.551,", "0.669]", "at", "step", "4", "(+0.100)"]
+    assert lines[4] == ("  a difference under about 0.060 (the typical interval's half-width) is within the noise of "
+                        "this held-out set")
+    assert lines[5] == ("rho = P / (P + N) is measured over each run's own tokens (median per update): "
+                        f"{label['fixed']} 260, {label['bapo']} 940")
+    assert "different token sets" in lines[6]
+    assert "In numbers" in (tmp_path / "report" / "report.html").read_text()

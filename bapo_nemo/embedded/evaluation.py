@@ -1,7 +1,10 @@
 """Held-out evaluation: k samples per prompt at the training temperature, reported as avg@k (mean
-accuracy over all samples) and pass@k (share of prompts with at least one correct sample)."""
+accuracy over all samples) and pass@k (share of prompts with at least one correct sample), with the sample
+behind them (prompts, samples per prompt) and avg@k's standard error over prompts."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -67,4 +70,17 @@ def evaluate(
         "eval/avg_at_k": sum(correct) / len(correct),
         "eval/pass_at_k": sum(any(c) for c in per_prompt) / len(tasks),
         "eval/response_length": sum(len(o.token_ids) for o in outs) / len(outs),
+        # the sample behind avg@k, for its interval (report.py): prompts are the unit, k samples each
+        "eval/num_prompts": float(len(tasks)),
+        "eval/samples_per_prompt": float(k),
+        "eval/avg_at_k_stderr": _standard_error([sum(c) / k for c in per_prompt]),
     }
+
+
+def _standard_error(values: list[float]) -> float:
+    """Standard error of the mean of `values` (sample standard deviation / sqrt(n)); 0 for one value."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)

@@ -22,6 +22,13 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
 from bapo_nemo.tracking.redact import redact_text
+from bapo_nemo.tracking.report_stats import (
+    comparison_lines,
+    heldout_points,
+    measure_of,
+    median_counted,
+    sample_label,
+)
 
 # canonical name -> names tried in order (embedded trainer first, then NeMo-RL v0.7.0 with our loss)
 ALIASES: dict[str, list[str]] = {
@@ -39,20 +46,31 @@ ALIASES: dict[str, list[str]] = {
 }
 
 
+# Series read to say what the drawn ones count (the held-out sample, the tokens rho is measured over); never
+# drawn or tabled themselves.
+DETAIL_ALIASES: dict[str, list[str]] = {
+    "heldout/stderr": ["eval/avg_at_k_stderr"],
+    "heldout/prompts": ["eval/num_prompts"],
+    "heldout/k": ["eval/samples_per_prompt"],
+    **{f"bapo/{name}": [f"bapo/{name}", f"train/bapo/{name}"]
+       for name in ("tokens_pos", "tokens_neg", "clipfrac_pos", "clipfrac_neg", "clipfrac_dual")},
+}
+
+
 @dataclass(frozen=True)
 class Panel:
     title: str
     metrics: tuple[str, ...]  # canonical names drawn in this panel
     ylabel: str
-    optional: bool = False  # drawn only when some run has it
     every_step: bool = True  # logged at every step: a step without a value is drawn as a gap
+    share: bool = False  # values are shares or rates in [0, 1]: the axis spans [0, 1] when they fit
 
 
 PANELS = [
-    Panel("Training reward", ("reward/mean", "frac_reward_zero_std"), "mean reward; share of groups"),
-    Panel("Held-out accuracy", ("heldout/avg@k",), "avg@k", optional=True, every_step=False),
+    Panel("Training reward", ("reward/mean", "frac_reward_zero_std"), "mean reward; share of groups", share=True),
+    Panel("Held-out avg@k", ("heldout/avg@k",), "avg@k", every_step=False, share=True),
     Panel("Policy entropy", ("entropy",), "nats / token"),
-    Panel("Positive contribution rho", ("bapo/rho", "bapo/rho_initial"), "P / (P + N)"),
+    Panel("Positive share rho", ("bapo/rho", "bapo/rho_initial"), "P / (P + N)", share=True),
     Panel("Clip bounds", ("bapo/c_high", "bapo/c_low"), "ratio bound"),
     Panel("Gradient norm", ("grad_norm",), "global L2 norm"),
     Panel("Response length", ("response_length/mean",), "tokens"),
@@ -134,7 +152,7 @@ def select_runs(client, experiment, wanted: list[str] | None, max_runs: int = 10
 def load_run(client, run) -> RunData:
     data = RunData(run.info.run_id, run.info.run_name or run.info.run_id, run.info.status, dict(run.data.params))
     available = set(run.data.metrics)
-    for canonical, names in ALIASES.items():
+    for canonical, names in {**ALIASES, **DETAIL_ALIASES}.items():
         name = next((n for n in names if n in available), None)
         if name is None:
             continue
@@ -179,59 +197,135 @@ def plot_panels(runs: list[RunData], path: Path) -> list[Panel]:
 
 
 def draw_panels(runs: list[RunData]):
-    """(figure, panels): one panel per quantity. A run has one colour in every panel; the series of a panel
-    with several (rho at the chosen and starting bounds, c_high and c_low, ...) differ by line style, named in
-    the panel's own legend. One run is named in the title, several in a legend of colours below the panels."""
-    panels = [p for p in PANELS if not p.optional or any(r.series.get(m) for r in runs for m in p.metrics)]
+    """(figure, panels): one panel per quantity some run logged; a panel no run has data for is left out
+    and named, with the reason, under the figure (never an empty panel). A run has one colour in every
+    panel; the series of a panel with several (rho at the chosen and starting bounds, c_high and c_low, ...)
+    differ by line style, named in the panel's own legend. Held-out points carry their 95% interval and the
+    panel names their sample; the rho panel names the tokens each run's share is over. Shares keep the
+    axis [0, 1], so noise is not magnified into a gap. One run is named in the title, several in a legend of
+    colours below the panels."""
+    panels = [p for p in PANELS if any(r.series.get(m) for r in runs for m in p.metrics)]
+    left_out = [f"{p.title} ({_why_empty(p, runs)})" for p in PANELS if p not in panels]
     cols = 4 if len(panels) > 6 else 3
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes.flat, panels):
-        drawn = set()
+        drawn, extra = set(), []
         for i, run in enumerate(runs):
+            colour = colours[i % len(colours)]
+            if panel.metrics == ("heldout/avg@k",):
+                drawn |= _draw_heldout(ax, run, colour)
+                continue
             grid = [s for s, _ in run.series.get("reward/mean", [])] if panel.every_step else []
             for metric in panel.metrics:
                 points = run.series.get(metric)
                 if not points:
                     continue
                 steps, values = zip(*_with_gaps(points, grid))
-                ax.plot(steps, values, SERIES_STYLE.get(metric, ("-",))[0], color=colours[i % len(colours)],
+                ax.plot(steps, values, SERIES_STYLE.get(metric, ("-",))[0], color=colour,
                         marker="o" if len(points) < 15 else None, markersize=3)
                 drawn.add(metric)
+        ax.set_title(panel.title)
         handles = [Line2D([], [], color="dimgrey", ls=SERIES_STYLE[m][0], label=SERIES_STYLE[m][1])
                    for m in panel.metrics if m in drawn and len(panel.metrics) > 1]
         if "bapo/rho" in panel.metrics:
             for rho0 in target_shares(runs):
                 handles.append(ax.axhline(rho0, color="black", ls=":", lw=1, label=f"target rho0 = {rho0:g}"))
-        if len(handles) > 1:  # under the panel, clear of its curves
-            ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
-                      frameon=False)
-        ax.set_title(panel.title)
+            extra = _counted_handles(runs, colours)
+        elif panel.metrics == ("heldout/avg@k",):
+            extra = _heldout_handles(ax, runs)
+        if len(handles) > 1 or extra:  # under the panel, clear of its curves
+            ax.legend(handles=handles + extra, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                      ncol=1 if extra else 2, frameon=False)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
-        _readable_y(ax)
-        if not drawn:
-            ax.text(0.5, 0.5, _why_empty(panel, runs), ha="center", va="center", transform=ax.transAxes,
-                    color="grey")
+        _honest_y(ax, panel)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if len(runs) == 1:
         fig.suptitle(f"run {runs[0].label}", fontsize=11)
-    else:
+    run_rows = 0
+    if len(runs) > 1:
+        run_rows = math.ceil(len(runs) / 4)
         handles = [Line2D([], [], color=colours[i % len(colours)], label=run.label) for i, run in enumerate(runs)]
         fig.legend(handles=handles, loc="lower center", ncol=min(len(runs), 4), fontsize=8, title="runs",
-                   bbox_to_anchor=(0.5, -0.04 - 0.03 * math.ceil(len(runs) / 4)))
+                   bbox_to_anchor=(0.5, -0.04 - 0.03 * run_rows))
     fig.tight_layout()
+    if left_out:
+        fig.text(0.01, -0.08 - 0.04 * run_rows, "not drawn: " + "; ".join(left_out), fontsize=8, color="dimgrey",
+                 ha="left", va="top", wrap=True)
     return fig, panels
+
+
+def _draw_heldout(ax, run: RunData, colour) -> set[str]:
+    """The run's held-out points with their 95% intervals (dashed bars: only a bound was known)."""
+    points = heldout_points(run)
+    if not points:
+        return set()
+    steps, values = [p.step for p in points], [p.value for p in points]
+    ax.plot(steps, values, "-o", color=colour, markersize=3)
+    known = [p for p in points if p.half_width is not None]
+    if known:
+        bars = ax.errorbar([p.step for p in known], [p.value for p in known], yerr=[p.half_width for p in known],
+                           fmt="none", ecolor=colour, elinewidth=1, capsize=3, alpha=0.8)
+        if any(p.bound for p in known):
+            bars[2][0].set_linestyle("--")
+    return {"heldout/avg@k"}
+
+
+def _heldout_handles(ax, runs: list[RunData]) -> list:
+    """What the held-out panel's points are: the sample (in the title when the runs share one) and the bars."""
+    labels = {sample_label(heldout_points(r)) for r in runs if r.series.get("heldout/avg@k")}
+    if len(labels) == 1 and None not in labels:
+        ax.set_title(f"Held-out avg@k ({labels.pop()})")
+        handles = []
+    else:
+        handles = [Line2D([], [], ls="none", label=f"{r.name}: {sample_label(heldout_points(r)) or 'sample size not logged'}")
+                   for r in runs if r.series.get("heldout/avg@k")]
+    points = [p for r in runs for p in heldout_points(r)]
+    if any(p.half_width is not None for p in points):
+        bound = " (dashed: the widest n prompts allow)" if any(p.bound for p in points) else ""
+        handles.append(Line2D([], [], color="dimgrey", marker="|", ls="none", markersize=10,
+                              label=f"bars: 95% interval over prompts{bound}"))
+    return handles
+
+
+def _counted_handles(runs: list[RunData], colours) -> list:
+    """Legend entries naming the tokens each run's rho is measured over (median per update)."""
+    handles = []
+    for i, run in enumerate(runs):
+        count = median_counted(run)
+        if count is None:
+            continue
+        who = f"{run.name}: " if len(runs) > 1 else ""
+        what = "tokens with A != 0" if measure_of(run) == "value" else "tokens with gradient"
+        handles.append(Line2D([], [], color=colours[i % len(colours)], lw=3, alpha=0.5,
+                              label=f"{who}over ~{count:.0f} {what} per update"))
+    counts = [median_counted(r) for r in runs]
+    counts = [c for c in counts if c is not None]
+    if len(counts) > 1 and max(counts) > 1.5 * min(counts):
+        handles.append(Line2D([], [], ls="none", label="shares over different token sets"))
+    return handles
+
+
+def _honest_y(ax, panel: Panel) -> None:
+    """A share panel whose values (and interval bars) all lie in [0, 1] spans [0, 1], so a small
+    difference is drawn small; other panels get `_readable_y`."""
+    low, high = ax.dataLim.y0, ax.dataLim.y1
+    if panel.share and low >= 0.0 and high <= 1.0:
+        ax.set_ylim(-0.03, 1.03)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        return
+    _readable_y(ax)
 
 
 def _why_empty(panel: Panel, runs: list[RunData]) -> str:
     no_spread = all(v == 1.0 for r in runs for _, v in r.series.get("frac_reward_zero_std", [(0, 0.0)]))
     if "bapo/rho" in panel.metrics and no_spread:
-        return "undefined: in every step, each group's\nresponses all got the same reward"
+        return "undefined in every step: each group's responses all got the same reward"
     return "not logged by these runs"
 
 
@@ -277,6 +371,8 @@ def render_html(experiment_name: str, runs: list[RunData], png: Path, tracking_u
         rows.append("<tr>" + "".join(f"<td>{_fmt(c)}</td>" for c in cells) + "</tr>")
     sources = sorted({f"{c} &larr; {n}" for r in runs for c, n in r.source_names.items() if c != n})
     alias_note = f"<p>Metric names mapped: {', '.join(sources)}</p>" if sources else ""
+    said = comparison_lines(runs)
+    comparison = f"<h2>In numbers</h2>\n<pre>{html.escape(chr(10).join(said))}</pre>\n" if said else ""
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>BAPO report: {html.escape(experiment_name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:13px}}
@@ -285,7 +381,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}th{{background:#f
 <h1>Training dynamics: {html.escape(experiment_name)}</h1>
 <p>{len(runs)} runs from <code>{html.escape(redact_text(tracking_uri))}</code>.</p>
 <img alt="training dynamics" src="data:image/png;base64,{image}">
-<h2>Runs</h2>
+{comparison}<h2>Runs</h2>
 <table><thead><tr>{head}</tr></thead><tbody>
 {chr(10).join(rows)}
 </tbody></table>

@@ -56,7 +56,11 @@ def main(args: argparse.Namespace) -> int:
             Path(out).rmdir()  # the default directory was made for nothing
         print(f"bapo-nemo report: error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
+    from bapo_nemo.tracking.report_stats import comparison_lines
+
     print(f"{len(result.runs)} runs: {', '.join(r.label for r in result.runs)}")
+    for line in comparison_lines(result.runs):
+        print(line)
     print(f"wrote {result.png}")
     print(f"wrote {result.html}")
     if not args.no_log:
