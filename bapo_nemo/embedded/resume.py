@@ -16,7 +16,7 @@ from bapo_nemo.embedded import config_keys
 from bapo_nemo.embedded.config import RunConfig, deep_merge
 from bapo_nemo.embedded.run_log import LOGGER
 from bapo_nemo.tracking.mlflow_tracker import sqlite_path
-from bapo_nemo.tracking.redact import redact_nested
+from bapo_nemo.tracking.redact import redact_nested, redact_text
 
 log = logging.getLogger(LOGGER)
 
@@ -95,6 +95,29 @@ def checkpoint_to_resume(output_dir: Path, config_dict: dict, resume: bool) -> P
         )
     log.info(f"resuming from step {ckpt_io.load_training_info(latest).get('step')} ({latest})")
     return latest
+
+
+STORE_FILE = "mlflow_store"  # beside mlflow_run_id: the store of a run tracked outside its own directory
+
+
+def tracking_uri_for(configured: str | None, output_dir: Path) -> str:
+    """The MLflow store of a run: the configured one; else the one <output_dir>/mlflow_store names (a run
+    tracked beside another with --compare-with resumes there without it); else <output_dir>/mlflow.db."""
+    if configured:
+        return configured
+    remembered = output_dir / STORE_FILE
+    uri = remembered.read_text().strip() if remembered.is_file() else ""
+    return uri or f"sqlite:///{output_dir / 'mlflow.db'}"
+
+
+def remember_store(output_dir: Path, tracking_uri: str) -> None:
+    """Write <output_dir>/mlflow_store for a store other than the run's own default (never one whose URI
+    holds a password: the file would keep it); the default needs no note."""
+    remembered = output_dir / STORE_FILE
+    if tracking_uri == f"sqlite:///{output_dir / 'mlflow.db'}":
+        remembered.unlink(missing_ok=True)
+    elif redact_text(tracking_uri) == tracking_uri:
+        remembered.write_text(tracking_uri + "\n")
 
 
 def run_to_continue(output_dir: Path, ckpt: Path | None, resume: bool, tracking_uri: str) -> str | None:

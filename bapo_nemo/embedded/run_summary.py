@@ -32,9 +32,11 @@ def summary_record(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def summary_text(summary: dict[str, Any], experiment: str, k: int, command: list[str]) -> str:
+def summary_text(summary: dict[str, Any], experiment: str, k: int, command: list[str],
+                 beside: list[str] | None = None) -> str:
     """The end of a run in words. `command` is the `bapo-nemo train ...` argument list that ran it (the stop
-    message repeats it with --resume)."""
+    message repeats it with --resume); `beside`: the runs (names or ids) of a comparison (--compare-with),
+    which the report command then names."""
     record = summary_record(summary)
     out = Path(record["output_dir"])
     lines = [_outcome(summary, record, out)]
@@ -54,14 +56,16 @@ def summary_text(summary: dict[str, Any], experiment: str, k: int, command: list
     if record["stopped_by_signal"]:
         resume = command if "--resume" in command else [*command, "--resume"]
         lines.append(f"  {shlex.join(resume)}   # continue where it stopped")
-    lines += [f"  {line}" for line in look_commands(record, experiment, summary.get("mlflow_experiment_id"))]
+    lines += [f"  {line}" for line in look_commands(record, experiment, summary.get("mlflow_experiment_id"), beside)]
     if not record["stopped_by_signal"]:
         lines.append(f"  (for scripts: {shown_path(out / 'summary.json')}, or --json)")
     return "\n".join(lines)
 
 
-def look_commands(record: dict[str, Any], experiment: str, experiment_id: str | None) -> list[str]:
-    """`mlflow ui ...` with the page to open, and `bapo-nemo report ...`, for this run's store."""
+def look_commands(record: dict[str, Any], experiment: str, experiment_id: str | None,
+                  runs: list[str] | None = None) -> list[str]:
+    """`mlflow ui ...` with the page to open, and `bapo-nemo report ...` (of `runs`, else of every run of the
+    experiment), for this run's store."""
     uri = record["mlflow_tracking_uri"]
     if uri.startswith("sqlite:///"):
         uri = "sqlite:///" + shown_path(uri[len("sqlite:///"):])
@@ -73,7 +77,10 @@ def look_commands(record: dict[str, Any], experiment: str, experiment_id: str | 
     page = (f"{address}/#/experiments/{experiment_id}/runs?workflowType=machine_learning" if experiment_id
             else address)
     lines = [f"{serve}   # then open {page}" if serve else f"open {page}"]
-    lines.append(f"bapo-nemo report --experiment {shlex.quote(experiment)} --tracking-uri {shlex.quote(uri)}")
+    report = f"bapo-nemo report --experiment {shlex.quote(experiment)} --tracking-uri {shlex.quote(uri)}"
+    if runs:
+        report += " --runs " + shlex.join(runs) + "   # both runs side by side"
+    lines.append(report)
     return lines
 
 

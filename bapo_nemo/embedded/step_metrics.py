@@ -1,4 +1,5 @@
-"""What one RL step logs (`step_metrics`), and the watch on its learning signal (`ZeroSpreadWatch`).
+"""What one RL step logs (`step_metrics`, the sample table's rows `sample_rows`), and the watch on its learning
+signal (`ZeroSpreadWatch`).
 
 GRPO's advantage is a response's reward against its group's mean: a group whose responses all scored the
 same (all wrong, or all right) gets zero advantages and adds nothing to the gradient. `frac_reward_zero_std`,
@@ -10,6 +11,7 @@ for an empty mini-batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,3 +96,31 @@ class ZeroSpreadWatch:
         return (f"no learning signal in steps {step - self.steps + 1}-{step}: frac_reward_zero_std "
                 f"{frac_zero_std:.2f} (share of groups whose responses all got the same reward, so zero "
                 f"advantage and no gradient); {why}")
+
+
+def sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
+    """The first response of each of the step's first `n` groups, for the MLflow table of samples."""
+    from bapo_nemo.embedded.evaluation import decode_response  # torch; the NeMo-RL hook imports this module
+
+    rows = []
+    for g, rs in zip(groups, rewards):
+        r = g.rollouts[0]
+        rows.append(
+            {
+                "step": step,
+                "prompt": r.meta["question"],
+                "answer": r.meta["answer"],
+                "response": decode_response(tokenizer, r.response_token_ids),
+                "reward": rs[0],
+                "num_segments": r.num_segments,
+                "length": len(r.response_token_ids),
+            }
+        )
+        if len(rows) >= n:
+            break
+    return rows
+
+
+def finite(metrics: dict) -> dict[str, float]:
+    """The metrics MLflow takes: numbers, without None, NaN or infinity."""
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from bapo_nemo.embedded.compare import CompareError, tracking_overrides
 from bapo_nemo.embedded.config import RunConfigError, load_config
 from bapo_nemo.tracking.redact import redact_text
 
@@ -23,7 +24,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  bapo-nemo train configs/local_cpu.yaml\n"
         "  bapo-nemo train configs/local_cpu.yaml --output-dir runs/a --resume\n"
-        "  bapo-nemo train configs/local_cpu.yaml loss_fn.bapo.enabled=false loss_fn.bapo.c_low_min=0.8\n"
+        "  bapo-nemo train configs/local_cpu.yaml loss_fn.bapo.enabled=false loss_fn.bapo.c_low_min=0.8 \\\n"
+        "      --output-dir runs/fixed_clip --compare-with runs/local_cpu   # a fixed-clip baseline beside a run\n"
         "  bapo-nemo train configs/local_cpu.yaml train.updates_per_batch=4 partial_rollouts.token_budget=16"
     )
     parser.add_argument("config", help="run config YAML (e.g. configs/local_cpu.yaml)")
@@ -45,6 +47,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="resume from the newest COMPLETE checkpoint in --output-dir if there is one, "
         "else start fresh (so a requeued job can always pass it)",
     )
+    parser.add_argument(
+        "--compare-with",
+        metavar="RUN_DIR",
+        help="track this run beside the run in RUN_DIR (another run's --output-dir): in its MLflow store and "
+        "experiment, so mlflow ui and bapo-nemo report show both; its warm-up is reused when the warm-up's "
+        "inputs are the same",
+    )
     parser.add_argument("--seed", type=int, default=None, help="override grpo.seed")
     parser.add_argument("--max-steps", type=int, default=None, help="override grpo.max_num_steps (RL steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
@@ -63,9 +72,15 @@ def main(args: argparse.Namespace) -> int:
         overrides.append(f"grpo.max_num_steps={args.max_steps}")
     if args.no_progress:
         overrides.append("runtime.progress=false")
+    output_dir = args.output_dir or str(Path("runs") / Path(args.config).stem)
+    compared = None
     try:
         config = load_config(args.config, overrides)
-    except RunConfigError as exc:
+        if args.compare_with:
+            compared = _compared(args.compare_with, output_dir)
+            overrides += tracking_overrides(compared, config.logger.mlflow.tracking_uri, overrides)
+            config = load_config(args.config, overrides)
+    except (RunConfigError, CompareError) as exc:
         print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     # the CPU settings: bf16 autocast is a GPU setting (slower than fp32 on most CPUs, and less exact)
@@ -93,7 +108,6 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.trainer import train
     from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
 
-    output_dir = args.output_dir or str(Path("runs") / Path(args.config).stem)
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
                    TrackingUnavailableError)
     try:
@@ -103,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
                       f"{lock.stale.get('host', '?')}, which ended without releasing it; taking it over",
                       file=sys.stderr)
             try:
-                summary = train(config, output_dir, resume=args.resume)
+                summary = train(config, output_dir, resume=args.resume,
+                                warmup_sources=[compared.output_dir] if compared else [])
             except BaseException as exc:  # the run's log ends with the line the console ends with
                 line = f"error: {redact_text(str(exc))}" if isinstance(exc, user_errors) else _ending(exc)
                 append_line(output_dir, line)
@@ -114,7 +129,11 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         ending = json.dumps(summary_record(summary), indent=2)
     else:
-        ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary))
+        beside = [compared.run_name, config.logger.mlflow.run_name or Path(output_dir).name] if compared else None
+        if beside and beside[0] == beside[1]:  # one name for both: the report takes run ids then
+            beside = [compared.run_id, summary["mlflow_run_id"]]
+        ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary),
+                              beside)
     print(redact_text(ending))  # as summary.json holds it: no password of the tracking URI, no token
     from bapo_nemo.embedded.stop_signals import exit_status
 
@@ -138,4 +157,15 @@ def _command(args: argparse.Namespace, summary: dict) -> list[str]:
         command += ["--max-steps", str(args.max_steps)]
     if args.no_progress:
         command.append("--no-progress")
+    if args.compare_with:
+        command += ["--compare-with", args.compare_with]
     return command + (["--resume"] if args.resume else [])
+
+
+def _compared(compare_with: str, output_dir: str):
+    from bapo_nemo.embedded.compare import CompareError, compared_run
+
+    if Path(compare_with).resolve() == Path(output_dir).resolve():
+        raise CompareError(f"--compare-with {compare_with} is this run's own --output-dir: give the directory of "
+                           "the run to compare with, e.g. --compare-with runs/local_cpu")
+    return compared_run(compare_with)

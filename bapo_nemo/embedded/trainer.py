@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import sys
 from collections.abc import Callable
@@ -39,14 +38,20 @@ from tqdm.auto import tqdm
 from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, run_params
-from bapo_nemo.embedded.evaluation import decode_response, evaluate
+from bapo_nemo.embedded.evaluation import evaluate
 from bapo_nemo.embedded.model import DTYPES, load_policy, prepare_policy
 from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
-from bapo_nemo.embedded.resume import checkpoint_to_resume, run_to_continue
+from bapo_nemo.embedded.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
 from bapo_nemo.embedded.startup_problems import check_paths
-from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch, step_metrics
+from bapo_nemo.embedded.step_metrics import (
+    ZERO_SPREAD_TAG,
+    ZeroSpreadWatch,
+    finite,
+    sample_rows,
+    step_metrics,
+)
 from bapo_nemo.embedded.stop_signals import StopFlag
 from bapo_nemo.embedded.task_source import rollout_reward, task_source
 from bapo_nemo.embedded.tasks import Task, TaskStream
@@ -59,15 +64,18 @@ MODEL_NAME = "bapo-embedded-qwen2-tiny"
 log = logging.getLogger(LOGGER)  # <output_dir>/train.log (and stderr without a progress bar) during train()
 
 
-def train(config: RunConfig, output_dir: str | Path, resume: bool = False) -> dict[str, Any]:
+def train(config: RunConfig, output_dir: str | Path, resume: bool = False,
+          warmup_sources: list[str | Path] = ()) -> dict[str, Any]:
     """Run (or resume) a training run; returns a summary (steps, held-out accuracy at the start of RL and
-    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1/SIGINT/SIGHUP."""
+    at the end, MLflow run id, paths). Returns early, after a checkpoint, on SIGTERM/SIGUSR1/SIGINT/SIGHUP.
+    A warm-up made from the same inputs by a run in `warmup_sources`, or in a sibling of `output_dir`, is
+    reused."""
     cfg = config
     output_dir = Path(output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     stop = StopFlag()
     with run_log(output_dir, to_stderr=not cfg.runtime.progress), stop.installed():
-        run = _set_up(cfg, output_dir, resume, stop)
+        run = _set_up(cfg, output_dir, resume, stop, [Path(p) for p in warmup_sources])
         try:
             if run.resumed_from is None:  # a checkpoint already holds the warmed-up model
                 _warm_up(run)
@@ -121,10 +129,11 @@ class _Run:
     metrics_log: MetricsLog
     groups_log: MetricsLog
     stop: StopFlag
+    warmup_sources: list[Path]  # runs whose warm-up this one may reuse (besides its siblings)
     spread_watch: ZeroSpreadWatch = field(default_factory=ZeroSpreadWatch)
 
 
-def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _Run:
+def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag, warmup_sources: list[Path]) -> _Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.runtime.num_threads)
     device = torch.device(cfg.runtime.device)
@@ -164,7 +173,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     step, history = 0, {"eval": [], "warmup": None}
     if ckpt is not None:
         step, history = _restore(learner, ckpt, device)
-    tracking_uri = cfg.logger.mlflow.tracking_uri or f"sqlite:///{output_dir / 'mlflow.db'}"
+    tracking_uri = tracking_uri_for(cfg.logger.mlflow.tracking_uri, output_dir)
     run_id = run_to_continue(output_dir, ckpt, resume, tracking_uri)
     tracker = MlflowTracker(
         tracking_uri,
@@ -176,6 +185,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
     params = run_params(config_dict)
     run_id = tracker.start(params, {**default_tags(params), "bapo.runtime": "embedded"})
     (output_dir / "mlflow_run_id").write_text(run_id + "\n")
+    remember_store(output_dir, tracking_uri)
     keep_up_to = step if ckpt is not None else -1
     return _Run(
         cfg,
@@ -197,6 +207,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag) -> _
         # responses in flight at a checkpoint are finished after a resume, not dropped.
         MetricsLog(output_dir / "trained_groups.jsonl", keep_up_to),
         stop,
+        warmup_sources,
     )
 
 
@@ -237,7 +248,9 @@ def _warm_up(run: _Run) -> None:
     """Supervised warm-up (or its cached result), the held-out evaluation at step 0, checkpoint 0."""
     cfg, learner = run.cfg, run.learner
     key = warmup_io.cache_key(run.config_dict)
-    cached = warmup_io.load_cached(run.output_dir, key)
+    # no warm-up, nothing to cache (a copy of the pretrained model would be all it held)
+    cached, reused_from = warmup_io.find_cached(run.output_dir, key, run.warmup_sources) if cfg.warmup.steps else (
+        None, None)
     if cached is not None:
         learner.model = _load_model(cfg, learner.model, cached[0], run.device)
         learner.optimizer = _optimizer(cfg, learner.model)
@@ -250,11 +263,11 @@ def _warm_up(run: _Run) -> None:
     run.history["warmup"] = warm_metrics
     if _warm_up_cut_short(run):
         return  # no cache, no checkpoint: a rerun starts the warm-up again
-    if cached is None:
+    if cached is None and cfg.warmup.steps:
         warmup_io.save_cache(run.output_dir, key, learner.model, warm_metrics)
-    log.info(f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({cfg.warmup.steps} steps)")
+    log.info(warmup_io.outcome_line(cfg.warmup.steps, cached, reused_from))
     start_eval = _run_eval(run, 0)
-    run.tracker.log_metrics({**_finite(warm_metrics), **start_eval}, step=0)
+    run.tracker.log_metrics({**finite(warm_metrics), **start_eval}, step=0)
     run.metrics_log.write({"step": 0, **warm_metrics, **start_eval})
     _save(run, 0)
 
@@ -272,7 +285,7 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     metrics = step_metrics(outcome, run.learner.version)
     if step % cfg.grpo.val_period == 0 or step == cfg.grpo.max_num_steps:
         metrics.update(_run_eval(run, step))
-    run.tracker.log_metrics(_finite(metrics), step=step)
+    run.tracker.log_metrics(finite(metrics), step=step)
     run.metrics_log.write({"step": step, **metrics})
     log.info(step_line(step, cfg.grpo.max_num_steps, metrics, cfg.eval.k))
     warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
@@ -291,7 +304,7 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     )
     if step % cfg.tracking.samples_every == 0:
         run.tracker.log_table(
-            _sample_rows(
+            sample_rows(
                 run.learner.tokenizer, outcome.groups, outcome.rewards, step, cfg.tracking.num_samples
             ),
             f"samples/step_{step:06d}.json",
@@ -420,31 +433,7 @@ def _log_training_plot(tracker: MlflowTracker, tracking_uri: str, run_id: str, o
         return None
 
 
-def _sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
-    rows = []
-    for g, rs in zip(groups, rewards):
-        r = g.rollouts[0]
-        rows.append(
-            {
-                "step": step,
-                "prompt": r.meta["question"],
-                "answer": r.meta["answer"],
-                "response": decode_response(tokenizer, r.response_token_ids),
-                "reward": rs[0],
-                "num_segments": r.num_segments,
-                "length": len(r.response_token_ids),
-            }
-        )
-        if len(rows) >= n:
-            break
-    return rows
-
-
 def _example(run: _Run) -> dict:
     """A held-out task of the run, as the exported model's card shows it (how to prompt it)."""
     task = run.eval_tasks[0]
     return run_example(task.question, task.answer, task.solution, training_template(run.config_dict))
-
-
-def _finite(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}

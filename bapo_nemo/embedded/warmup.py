@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -76,13 +78,25 @@ def run_warmup(
 
 
 def cache_key(config_dict: dict) -> dict:
-    """What the warm-up result depends on (looping demonstrations run to the response length limit), as
-    written to info.json: secrets redacted."""
+    """What the warm-up result depends on, as written to info.json (secrets redacted): the model, tasks,
+    data and warm-up settings, the seed, where it runs and in which precision, and the files it reads (each
+    by its absolute path, size and modification time, so a run elsewhere with a file of the same name, or
+    an edited file, does not match). Looping demonstrations run to the response length limit."""
     key = {k: config_dict[k] for k in ("model", "task", "data", "warmup") if k in config_dict}
     key["seed"], key["model_name"] = config_dict["grpo"]["seed"], config_dict["policy"]["model_name"]
+    key["device"], key["precision"] = config_dict["runtime"]["device"], config_dict["policy"]["precision"]
     if config_dict.get("warmup", {}).get("loop_rate"):
         key["loop_length"] = config_dict["partial_rollouts"]["max_response_tokens"]
+    data, task = config_dict.get("data") or {}, config_dict.get("task") or {}
+    paths = [key["model_name"], (data.get("train") or {}).get("data_path"),
+             (data.get("validation") or {}).get("data_path"), task.get("train_file"), task.get("eval_file")]
+    key["files"] = {p: _identity(Path(p).expanduser()) for p in paths if p and Path(p).expanduser().exists()}
     return redact_nested(key)
+
+
+def _identity(path: Path) -> list:
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def load_cached(output_dir: Path, key: dict):
@@ -90,14 +104,8 @@ def load_cached(output_dir: Path, key: dict):
     (a damaged cache is redone, not loaded)."""
     from bapo_nemo.embedded.checkpoint import weights_problem
 
-    info_path = output_dir / CACHE_DIR / "info.json"
-    if not info_path.is_file():
-        return None
-    try:
-        info = json.loads(info_path.read_text())
-    except ValueError:
-        return None
-    if info.get("key") != json.loads(json.dumps(key)):
+    info = _cache_info(output_dir)
+    if info is None or info.get("key") != json.loads(json.dumps(key)):
         return None
     problem = weights_problem(output_dir / CACHE_DIR / "model")
     if problem:
@@ -105,6 +113,34 @@ def load_cached(output_dir: Path, key: dict):
                                           "redoing the warm-up")
         return None
     return output_dir / CACHE_DIR / "model", info["metrics"]
+
+
+def _cache_info(output_dir: Path) -> dict | None:
+    try:
+        return json.loads((output_dir / CACHE_DIR / "info.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def reuse_cached(output_dir: Path, key: dict, sources: list[Path]) -> Path | None:
+    """Copy into `output_dir` the warm-up of another run made from the same inputs (`key`): one of
+    `sources` (e.g. --compare-with's run), else a sibling of `output_dir` (runs/a beside runs/b). Returns
+    the run it came from, or None. The copy is whole or absent (renamed into place), and checked again."""
+    own = output_dir.resolve()
+    siblings = sorted(p for p in own.parent.iterdir() if p.is_dir()) if own.parent.is_dir() else []
+    wanted = json.loads(json.dumps(key))
+    for source in dict.fromkeys([*(p.resolve() for p in sources), *siblings]):
+        info = _cache_info(source)
+        if source == own or info is None or info.get("key") != wanted or load_cached(source, key) is None:
+            continue
+        partial = own / f".{CACHE_DIR}.copy-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(source / CACHE_DIR, partial)
+        shutil.rmtree(own / CACHE_DIR, ignore_errors=True)  # a cache of other settings
+        os.rename(partial, own / CACHE_DIR)
+        if load_cached(output_dir, key) is not None:
+            return source
+    return None
 
 
 def save_cache(output_dir: Path, key: dict, model, metrics: dict) -> None:
@@ -116,3 +152,25 @@ def save_cache(output_dir: Path, key: dict, model, metrics: dict) -> None:
         save_model(model, cache / "model")
     # info.json last: its presence marks a usable cache.
     (cache / "info.json").write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))
+
+
+def find_cached(output_dir: Path, key: dict, sources: list[Path]):
+    """((model_dir, metrics) or None, the run a reused cache came from or None): this run's own cache made
+    from the same inputs, else another run's (`reuse_cached`)."""
+    cached = load_cached(output_dir, key)
+    if cached is not None:
+        return cached, None
+    source = reuse_cached(output_dir, key, sources)
+    return (load_cached(output_dir, key), source) if source is not None else (None, None)
+
+
+def outcome_line(steps: int, cached, reused_from: Path | None) -> str:
+    """The run log's line on its warm-up."""
+    if steps == 0:
+        return "no warm-up (warmup.steps=0)"
+    if reused_from is not None:
+        from bapo_nemo.embedded.run_summary import shown_path
+
+        return (f"reused the warm-up of {shown_path(reused_from)} ({steps} steps; the same model, tasks, warm-up "
+                "settings, seed and input files)")
+    return f"{'reused the cached warm-up' if cached is not None else 'warm-up done'} ({steps} steps)"
