@@ -28,8 +28,8 @@ def test_each_set_up_command_of_the_first_screen_is_a_block_of_its_own():
     assert len(set_ups) == 2, set_ups
     assert all(len(block) == 1 for block in set_ups), set_ups
     main_job, tests = set_ups[0][0], set_ups[1][0]
-    assert main_job.endswith("&& bapo-nemo train configs/local_cpu.yaml") and "pytest" not in main_job
-    assert tests.endswith("&& pytest") and "bapo-nemo train" not in tests
+    assert main_job.endswith("&& bapo-nemo train configs/local_cpu.yaml") and "[test" not in main_job
+    assert "-e '.[test," in tests and "bapo-nemo train" not in tests  # the suite's command, whatever runs it
 
 
 def test_the_cluster_block_logs_in_to_nvcr_before_the_build_and_submits_with_account_and_partition():
