@@ -1,5 +1,5 @@
-"""Our NeMo-RL configs against v0.7.0 itself (needs nemo_rl importable; skips in CI), plus the driver's
-preflight on CPU.
+"""Our NeMo-RL configs against the NeMo-RL under test (nemo_rl-marked tests), their keys against both tested
+trees' shipped lists, plus the driver's preflight on CPU.
 
 Set-up used on a CPU machine: the v0.7.0 tree on PYTHONPATH, its light dependencies installed (see
 docs/nemo_rl.md, "Testing against NeMo-RL on a CPU machine")."""
@@ -7,7 +7,6 @@ docs/nemo_rl.md, "Testing against NeMo-RL on a CPU machine")."""
 from __future__ import annotations
 
 import sys
-import typing
 from pathlib import Path
 
 import pytest
@@ -56,9 +55,11 @@ def _paths(node, prefix=""):
 
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", OURS)
-def test_configs_have_every_key_of_the_v070_megatron_example(name):
-    """Every key NeMo-RL's own Megatron GRPO example (grpo_math_8B_megatron.yaml, inheritance resolved by
-    v0.7.0's loader) sets exists in ours, except sections we replace on purpose."""
+def test_configs_have_every_key_of_the_megatron_example(name):
+    """Every key the installed NeMo-RL's own Megatron GRPO example (grpo_math_8B_megatron.yaml, inheritance
+    resolved by its loader) sets exists in ours, except sections we replace on purpose and keys only one of
+    the tested NeMo-RL trees knows (a preset must run on both: main's required validation sampling keys are
+    filled by the driver, bapo_nemo/nemo/installed.py)."""
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
     from omegaconf import OmegaConf
 
@@ -74,47 +75,56 @@ def test_configs_have_every_key_of_the_v070_megatron_example(name):
         "data.train.",
         "data.validation.",
     )
-    missing = sorted(p for p in _paths(theirs) - _paths(ours) if not p.startswith(replaced))
+    in_both = known_keys("v0.7.0") & known_keys("main")
+    missing = sorted(p for p in _paths(theirs) - _paths(ours) if not p.startswith(replaced) and p in in_both)
     assert missing == []
 
 
-def _typed_dict_keys(tp, prefix, out, depth=0):
-    if depth > 6:
-        return
-    if typing.is_typeddict(tp):
-        for k, v in typing.get_type_hints(tp).items():
-            out.add(f"{prefix}.{k}")
-            _typed_dict_keys(v, f"{prefix}.{k}", out, depth + 1)
-        return
-    for arg in typing.get_args(tp):
-        _typed_dict_keys(arg, prefix, out, depth + 1)
+@pytest.mark.parametrize("schema", ["v0.7.0", "main"])
+@pytest.mark.parametrize("name", OURS)
+def test_presets_are_valid_under_both_tested_nemo_rl_trees(name, schema):
+    from bapo_nemo.plan.schema import unknown_keys
+
+    assert unknown_keys(load_nemo_config(CONFIGS / name), schema) == []
+
+
+def test_a_key_of_the_other_release_is_refused_naming_where_it_belongs():
+    from bapo_nemo.plan.schema import unknown_keys
+
+    config = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["++policy.generation.val_temperature=0.6"])
+    (unknown,) = unknown_keys(config, "v0.7.0")
+    assert unknown.path == "policy.generation.val_temperature"
+    assert unknown.message() == (
+        "not a NeMo-RL v0.7.0 config key: it is NeMo-RL main's (check against the NeMo-RL the job runs: "
+        "--nemo-rl main, or remove it)"
+    )
+    assert unknown_keys(config, "main") == []
+    typo = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["++policy.generation.val_temprature=0.6"])
+    assert "did you mean policy.generation.val_temperature?" in unknown_keys(typo, "main")[0].message()
 
 
 @pytest.mark.nemo_rl
-def test_shipped_key_list_covers_v070_typed_dicts():
-    """bapo_nemo/plan/nemo_rl_v070_keys.json (what `bapo-nemo check` uses without nemo_rl) knows every
-    key of the installed NeMo-RL's config TypedDicts and of ClippedPGLossConfig."""
-    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
-    from nemo_rl.distributed.virtual_cluster import ClusterConfig
-    from nemo_rl.models.policy import PolicyConfig
-    from nemo_rl.utils.checkpoint import CheckpointingConfig
-    from nemo_rl.utils.logger import LoggerConfig
+def test_a_shipped_key_list_is_exactly_the_installed_nemo_rls():
+    """bapo_nemo/plan/nemo_rl_*_keys.json (what `bapo-nemo check` uses without nemo_rl) is what
+    bapo_nemo/plan/nemo_rl_keys.py makes from the NeMo-RL tree under test, plus the list's carried keys:
+    each tested tree's list can be made again, and it holds every key of that tree's types and examples."""
+    import json
+    from importlib import resources
 
-    from bapo_nemo.plan.schema import _skipped
+    import nemo_rl
 
-    keys: set[str] = {f"loss_fn.{k}" for k in ClippedPGLossConfig.model_fields}
-    for name, td in (
-        ("policy", PolicyConfig),
-        ("logger", LoggerConfig),
-        ("checkpointing", CheckpointingConfig),
-        ("cluster", ClusterConfig),
-    ):
-        _typed_dict_keys(td, name, keys)
-    # policy.scheduler is a YAML list of scheduler dicts: the key check does not walk into lists.
-    missing = sorted(
-        k for k in keys if not _skipped(k) and k not in known_keys() and not k.startswith("policy.scheduler.")
-    )
-    assert missing == []
+    from bapo_nemo.plan.nemo_rl_keys import keys_of_tree
+    from bapo_nemo.plan.schema import SCHEMAS
+
+    tree = keys_of_tree(Path(nemo_rl.__file__).resolve().parents[1])
+    matches = []
+    for schema, file in SCHEMAS.items():
+        if file is None:
+            continue
+        shipped = json.loads(resources.files("bapo_nemo.plan").joinpath(file).read_text())
+        if set(shipped["keys"]) == tree | set(shipped["carried"]):
+            matches.append(schema)
+    assert len(matches) == 1, f"no shipped key list is this NeMo-RL's ({nemo_rl.__file__}): regenerate it"
 
 
 @pytest.mark.nemo_rl
@@ -137,10 +147,13 @@ if sys.version_info < (3, 12):
     import typing_extensions
     typing.TypedDict = typing_extensions.TypedDict
 from nemo_rl.algorithms.grpo import MasterConfig
+from bapo_nemo.nemo.installed import fill_validation_sampling, required_generation_keys
 from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
 from bapo_nemo.plan.config_io import load_nemo_config
 for path in sys.argv[1:]:
-    mc = MasterConfig(**load_nemo_config(path))
+    config = load_nemo_config(path)
+    fill_validation_sampling(config, required_generation_keys())  # as the driver does before MasterConfig
+    mc = MasterConfig(**config)
     assert mc.loss_fn.model_extra["bapo"]["rho0"] == 0.4, "the bapo block must survive validation"
     block = (mc.model_extra or {}).get("partial_rollouts")
     if block is not None:  # the shipped block installs as the driver installs it
@@ -156,7 +169,8 @@ print("ok")
 
 @pytest.mark.nemo_rl
 def test_master_config_validates():
-    """v0.7.0's MasterConfig (pydantic) accepts our configs and keeps loss_fn.bapo (extra="allow"); the
+    """The installed MasterConfig (pydantic) accepts our configs as the driver hands them over (main's required
+    validation sampling keys filled) and keeps loss_fn.bapo (extra="allow"); the
     presets' partial_rollouts blocks install on it (budget, response cap, pool; no response cut early).
     In a subprocess: on Python < 3.12 it patches typing.TypedDict, which must not leak into other tests."""
     import subprocess

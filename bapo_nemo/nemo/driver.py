@@ -33,6 +33,7 @@ from bapo_nemo.plan.cluster_plan import plan_cluster
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.schema import DEFAULT_SCHEMA
 
 
 class DriverConfigError(ValueError):
@@ -91,8 +92,17 @@ def preflight(config: dict) -> list[Finding]:
         model = resolve_model(str(get(config, "policy.model_name")))
     except (UnknownModelError, OSError, KeyError):
         pass  # unknown models only lose the head-divisibility rule here; `bapo-nemo check` reports it
-    # Relative prompt files resolve where NeMo-RL will open them: this process's working directory.
-    return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd())
+    # Relative prompt files resolve where NeMo-RL will open them: this process's working directory. Keys
+    # are those of the NeMo-RL installed here, which the job runs (v0.7.0's where none is).
+    return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd(), nemo_rl=_schema_here())
+
+
+def _schema_here() -> str:
+    try:
+        import nemo_rl  # noqa: F401
+    except ImportError:
+        return DEFAULT_SCHEMA
+    return "installed"
 
 
 def raise_on_errors(findings: list[Finding]) -> None:

@@ -1,5 +1,6 @@
-"""`bapo-nemo check CONFIG --nodes N --gpus-per-node G`: validate a NeMo-RL v0.7.0 GRPO config for a
-cluster shape before submitting it, and estimate per-GPU memory. Exit 1 on any error."""
+"""`bapo-nemo check CONFIG --nodes N --gpus-per-node G`: validate a NeMo-RL GRPO config for a cluster shape
+before submitting it (keys against the NeMo-RL the job runs: v0.7.0 by default, `--nemo-rl main` or
+`installed`), and estimate per-GPU memory. Exit 1 on any error."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from bapo_nemo.plan.generation_print import generation_json, print_generation, p
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.mode_compare import ModeComparison, async_warnings, compare_modes
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.schema import DEFAULT_SCHEMA, SCHEMAS
 from bapo_nemo.plan.search_stats import (
     DEFAULT_PASS_RATE_BETA,
     DEFAULT_PROMPT_TOKENS,
@@ -59,6 +61,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local HF config.json of the model (default: policy.model_name if it is a local "
         "directory, else the built-in table)",
+    )
+    parser.add_argument(
+        "--nemo-rl",
+        choices=sorted(SCHEMAS),
+        default=DEFAULT_SCHEMA,
+        help="the NeMo-RL whose config keys are valid: a tested release (v0.7.0, the container's), its main "
+        "of 2026-08-22, or the NeMo-RL installed here (default: %(default)s)",
     )
     parser.add_argument(
         "--no-path-checks", action="store_true", help="skip the existence checks of paths in the config"
@@ -223,7 +232,9 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
         findings.append(Finding("error", "policy.model_name", str(exc)))
     except (OSError, KeyError, json.JSONDecodeError) as exc:
         findings.append(Finding("error", "--hf-config", f"cannot read the model's config.json: {exc}"))
-    findings += check_config(config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir)
+    findings += check_config(
+        config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir, nemo_rl=args.nemo_rl
+    )
     mem = None
     if plan is not None and model is not None:
         if plan.backend != "megatron":

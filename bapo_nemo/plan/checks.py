@@ -1,4 +1,4 @@
-"""Checks of a NeMo-RL v0.7.0 GRPO config for one cluster shape: what would otherwise fail (or silently
+"""Checks of a NeMo-RL GRPO config for one cluster shape: what would otherwise fail (or silently
 misbehave) hours into a cluster job. Each finding names the key and the fix. `check_config` runs every
 rule: the layout's (cluster_plan.py builds the plan), the BAPO block's, the partial-rollout block's
 (partial_checks.py), the async GRPO block's (async_checks.py), batches, generation, the loss, checkpoints
@@ -19,7 +19,7 @@ from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.partial_checks import partial_rollout_rules
 from bapo_nemo.plan.path_checks import path_rules
-from bapo_nemo.plan.schema import unknown_keys
+from bapo_nemo.plan.schema import DEFAULT_SCHEMA, unknown_keys
 
 
 def check_config(
@@ -28,10 +28,12 @@ def check_config(
     model: ModelShape | None,
     check_paths: bool = True,
     workdir: str | Path | None = None,
+    nemo_rl: str = DEFAULT_SCHEMA,
 ) -> list[Finding]:
     """Every rule; `plan` and `model` may be None when they could not be built (rules needing them skip).
-    `workdir`: the directory the job will run in (relative paths resolve there); default: this one."""
-    f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config)]
+    `workdir`: the directory the job will run in (relative paths resolve there); default: this one.
+    `nemo_rl`: whose keys are valid (schema.SCHEMAS: a tested tree, or the installed NeMo-RL)."""
+    f: list[Finding] = [Finding("error", u.path, u.message()) for u in unknown_keys(config, nemo_rl)]
     f += _bapo_block(config)
     f += partial_rollout_rules(config)
     f += async_rules(config)

@@ -1,10 +1,11 @@
-"""Key checking against NeMo-RL v0.7.0's config schema, without nemo_rl installed.
+"""Key checking against the config schema of the NeMo-RL the job will run, without nemo_rl installed.
 
-`nemo_rl_v070_keys.json` lists every key path of v0.7.0's GRPO example and recipe configs and of its
-config TypedDicts (PolicyConfig, LoggerConfig, CheckpointingConfig, ClusterConfig) and
-ClippedPGLossConfig. A key outside that list is almost always a typo: NeMo-RL would silently ignore
-it (TypedDicts are not enforced), or fail hours in. Free-form sections (dataset options, environment
-options, kwargs passed through to vLLM/HF, env vars) and our own blocks are not checked here.
+`SCHEMAS` names the key lists: one shipped per tested NeMo-RL tree (`nemo_rl_v070_keys.json`,
+`nemo_rl_main_keys.json`: every key path of its MasterConfig types and of its GRPO example and recipe
+configs, made by `nemo_rl_keys.py`), and `installed`, read from the NeMo-RL installed here. A key outside
+the list is almost always a typo or a key of another release: NeMo-RL would silently ignore it (TypedDicts
+are not enforced), or fail hours in. Free-form sections (dataset options, environment options, kwargs
+passed through to vLLM/HF, env vars) and our own blocks are not checked here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -36,20 +37,39 @@ OPEN_SECTIONS = (
 OWN_SECTIONS = ("loss_fn.bapo", "partial_rollouts")
 
 
+# `--nemo-rl` values: the shipped list of each tested tree, or the installed NeMo-RL's own keys.
+SCHEMAS = {"v0.7.0": "nemo_rl_v070_keys.json", "main": "nemo_rl_main_keys.json", "installed": None}
+DEFAULT_SCHEMA = "v0.7.0"  # the release the container (nvcr.io/nvidia/nemo-rl:v0.7.0) ships
+
+
 @dataclass(frozen=True)
 class UnknownKey:
     path: str
     suggestion: str | None
+    schema: str = DEFAULT_SCHEMA
+    elsewhere: tuple[str, ...] = ()  # the other schemas that know this key
 
     def message(self) -> str:
         """The reason, without the path: findings carry the key separately and print `key: message`."""
+        label = "the installed NeMo-RL's" if self.schema == "installed" else f"a NeMo-RL {self.schema}"
+        if self.elsewhere:
+            return (
+                f"not {label} config key: it is NeMo-RL {' and '.join(self.elsewhere)}'s (check against the "
+                f"NeMo-RL the job runs: --nemo-rl {self.elsewhere[0]}, or remove it)"
+            )
         hint = f"did you mean {self.suggestion}?" if self.suggestion else "remove it or check the spelling"
-        return f"not a NeMo-RL v0.7.0 config key ({hint})"
+        return f"not {label} config key ({hint})"
 
 
-@lru_cache(maxsize=1)
-def known_keys() -> frozenset[str]:
-    text = resources.files("bapo_nemo.plan").joinpath("nemo_rl_v070_keys.json").read_text()
+@cache
+def known_keys(schema: str = DEFAULT_SCHEMA) -> frozenset[str]:
+    if schema not in SCHEMAS:
+        raise ValueError(f"unknown NeMo-RL schema {schema!r}: choose one of {', '.join(SCHEMAS)}")
+    if SCHEMAS[schema] is None:
+        from bapo_nemo.plan.nemo_rl_keys import installed_keys
+
+        return installed_keys()
+    text = resources.files("bapo_nemo.plan").joinpath(SCHEMAS[schema]).read_text()
     return frozenset(json.loads(text)["keys"])
 
 
@@ -60,9 +80,11 @@ def _skipped(path: str) -> bool:
     )
 
 
-def unknown_keys(config: dict[str, Any]) -> list[UnknownKey]:
-    """Every key path of `config` that v0.7.0 does not know, with the closest known sibling."""
-    keys = known_keys()
+def unknown_keys(config: dict[str, Any], schema: str = DEFAULT_SCHEMA) -> list[UnknownKey]:
+    """Every key path of `config` the schema's NeMo-RL does not know, with the closest known sibling (or the
+    shipped schemas that know it)."""
+    keys = known_keys(schema)
+    others = [s for s, file in SCHEMAS.items() if file is not None and s != schema]
     found: list[UnknownKey] = []
 
     def walk(node: Any, prefix: str) -> None:
@@ -75,11 +97,9 @@ def unknown_keys(config: dict[str, Any]) -> list[UnknownKey]:
             if path not in keys:
                 siblings = [p.rsplit(".", 1)[-1] for p in keys if p.rpartition(".")[0] == prefix]
                 close = difflib.get_close_matches(str(k), siblings, n=1, cutoff=0.6)
-                found.append(
-                    UnknownKey(
-                        path, f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else None)
-                    )
-                )
+                suggestion = f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else None)
+                elsewhere = tuple(s for s in others if path in known_keys(s))
+                found.append(UnknownKey(path, suggestion, schema, elsewhere))
                 continue
             walk(v, path)
 
