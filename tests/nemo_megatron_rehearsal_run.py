@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -127,6 +128,10 @@ def rehearse(spec: dict) -> None:
                      "logprob_calls": len(calls["get_logprobs"]), "seconds": time.time() - started})
         calls["on_train"].clear()
         checkpoints_after_stop = sorted(p.name for p in (root / "checkpoints").glob("step_*"))
+        # The stop's checkpoint as run 1 left it: NeMo-RL main keeps only save_period-aligned checkpoints
+        # (and the latest), so run 2's save prunes this one there; v0.7.0 keeps it (keep_top_k).
+        for step in checkpoints_after_stop:
+            shutil.copytree(root / "checkpoints" / step, root / "after_stop" / step)
         started = time.time()
         runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
     torch.save({"train": [dict(b) for b in calls["train"]],

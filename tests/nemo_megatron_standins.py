@@ -38,6 +38,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import sys
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -72,6 +73,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import StragglerDetector
 from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
+from nemo_rl.utils.timer import Timer
 
 from tests.nemo_vllm_standins import (
     FFN,
@@ -358,6 +360,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
         self.refit_param_info_mcore = None
         self._held_gather_buffer = None
         self._init_inference_engine_state()
+        self._set_what_main_reads(config)
 
         self.recorder = Recorder.from_env(self)
         if self.recorder:
@@ -367,6 +370,25 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             })
 
     # -- what the GPU-only helpers of the real worker do, on CPU ---------------------------------------
+    def _set_what_main_reads(self, config: dict) -> None:
+        """NeMo-RL main's `__init__` and runtime config set more than v0.7.0's, and its `train`, `get_logprobs`
+        and offload methods read them: each as upstream derives it for this model (its own helpers where the
+        installed worker module has them), and what they are for a DDP-wrapped dense model otherwise."""
+        upstream = sys.modules[MegatronPolicyWorkerImpl.__module__]
+
+        def derived(helper: str, default: Any) -> Any:
+            return getattr(upstream, helper)(self.model) if hasattr(upstream, helper) else default
+
+        self.timer = Timer()  # main labels it with its worker and rank (Timer(context=...)); v0.7.0 has none
+        self.offload_optimizer_for_refit = bool(config.get("offload_optimizer_for_refit", True))
+        self.delegate_mtp_loss_mask_to_model = derived("_model_self_packs_mtp_loss_mask", False)
+        self.model_slices_context_parallel_inputs = derived("_model_slices_context_parallel_inputs", False)
+        accepts_media_mask = derived("_model_accepts_media_token_validity_mask", False)
+        self.media_placeholder_token_id = derived("_model_media_placeholder_token_id", None) if accepts_media_mask else None
+        # no Megatron inference model, reshard plan or NIXL agent (the generation is vLLM's stand-in)
+        self.inference_model = self._colocated_reshard_plan = self._nixl_preinit_agent = None
+        self._swap_weights_plan_prepared = self._inference_model_offloaded = False
+
     def get_free_memory_bytes(self) -> int:
         return 8 << 30
 

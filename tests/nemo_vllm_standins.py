@@ -230,8 +230,9 @@ class CPUVllmGenerationWorker:
     `BaseVllmGenerationWorker._init_config`."""
 
     @staticmethod
-    def configure_worker(num_gpus, bundle_indices=None):
-        # As VllmGenerationWorker.configure_worker: the owner learns its bundles and a seed from them.
+    def configure_worker(num_gpus, bundle_indices=None, num_gpus_per_node=None):
+        # As VllmGenerationWorker.configure_worker: the owner learns its bundles and a seed from them
+        # (num_gpus_per_node, which main passes, only places vLLM's ports: none here).
         init_kwargs: dict[str, Any] = {}
         if bundle_indices is not None:
             node_idx, local = bundle_indices

@@ -585,7 +585,7 @@ def test_partial_rollout_segments_of_several_policy_versions_reach_the_loss(rehe
     record_property("partial_rollouts", json.dumps(info["partial_rollouts"]))
     # The prefill pool ran as configured: before step 1 the driver moved prefill_batches extra batches of
     # prompts into flight, and the stop's checkpoint carried unfinished groups over to the resumed run.
-    hook_state = json.loads((rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}" / "partial_rollouts.json").read_text())
+    hook_state = json.loads((rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}" / "partial_rollouts.json").read_text())
     prefill = info["partial_rollouts"]["prefill_batches"]
     assert (hook_state["prefilled_batches"], hook_state["batches_seen"]) == (prefill, STOP_DURING_STEP + prefill)
     assert hook_state["manager"]["active"] or hook_state["manager"]["pending"], "no group in flight at the stop"
@@ -636,11 +636,15 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     assert first["rc"] == 0 and second["rc"] == 0
     assert rehearsal["checkpoints_after_stop"] == [f"step_{STOP_DURING_STEP}"]
     assert first["train_calls"] == STOP_DURING_STEP * PROMPTS * GENERATIONS // GLOBAL_BATCH
-    step_dir = rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}"
+    step_dir = rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}"  # where the resume read it
     weights = step_dir / "policy" / "weights"
-    assert (weights / "latest_checkpointed_iteration.txt").read_text() == "0"
-    assert (weights / "iter_0000000" / "common.pt").exists() and (weights / "iter_0000000" / ".metadata").exists()
-    assert (step_dir / "partial_rollouts.json").exists()
+    kept = rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}"  # its files, as run 1 left them
+    assert (kept / "policy" / "weights" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    iteration = kept / "policy" / "weights" / "iter_0000000"
+    # common state in common.pt (the layout v0.7.0's stack writes and reads) or embedded (megatron-core 0.17+)
+    assert (iteration / ".metadata").exists()
+    assert (iteration / "common.pt").exists() or (iteration / "metadata.json").exists()
+    assert (kept / "partial_rollouts.json").exists()
     for rank, recs in policy_records(rehearsal["record"]).items():
         save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
         first_init, resumed = of_kind(recs, "init")
@@ -658,7 +662,7 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     # workers' real get_logprobs: it holds the saved weights' log-probs.
     from bapo_nemo.export.parity import read_reference_logprobs
 
-    parity = read_reference_logprobs(step_dir)
+    parity = read_reference_logprobs(kept)
     saved = weights_of(policy_records(rehearsal["record"]), "save", 0)
     for sequence, row in zip(parity["sequences"], parity["logprobs"]):
         want = reference_logprobs(saved, {"input_ids": torch.tensor([sequence])})[0, 1:]

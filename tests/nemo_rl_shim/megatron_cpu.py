@@ -115,6 +115,26 @@ _FACTORIES = (
 )
 
 
+class _InOrderStream:
+    """`torch.cuda.current_stream()` on the CPU "device": work runs in program order, so there is nothing
+    to wait for (megatron-core 0.19's grad buffers wait on the current stream before reducing)."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+
+_STREAM = _InOrderStream()
+
+
 def _install_cuda_on_cpu() -> None:
     for name in _FACTORIES:
         setattr(torch, name, _factory(getattr(torch, name)))
@@ -129,6 +149,7 @@ def _install_cuda_on_cpu() -> None:
     cuda.get_device_name = lambda device=None: "CPU (CUDA stand-in)"
     cuda.mem_get_info = lambda device=None: (8 << 30, 16 << 30)
     cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.current_stream = lambda device=None: _STREAM
     cuda.nvtx.range_push = lambda msg: 0  # NeMo-RL's wrap_with_nvtx_name profiling ranges
     cuda.nvtx.range_pop = lambda: 0
 
@@ -271,9 +292,26 @@ def save_checkpoint(
     _forked_write_results_queue()
     dist_checkpointing.save(sharded, str(target))
     torch.distributed.barrier()
+    _legacy_common_file(target)
     if torch.distributed.get_rank() == 0:
         (Path(state.cfg.checkpoint.save) / TRACKER_FILE).write_text(str(iteration))
     torch.distributed.barrier()
+
+
+def _legacy_common_file(iteration_dir: Path) -> None:
+    """`common.pt` beside a torch_dist checkpoint, where the installed NeMo-RL looks for it. The Megatron-LM
+    NeMo-RL v0.7.0 pins keeps a checkpoint's common (non-sharded) state in that file, and v0.7.0's
+    `CheckpointManager.get_resume_paths` finds the optimizer state by reading it; megatron-core 0.17+
+    embeds it in the checkpoint instead, which NeMo-RL main reads (`_load_megatron_common_state_dict`).
+    Both load either layout (megatron-core's `load_common_state_dict`)."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from nemo_rl.utils import checkpoint as nemo_checkpoint
+
+    if hasattr(nemo_checkpoint, "_load_megatron_common_state_dict") or torch.distributed.get_rank() != 0:
+        return
+    if (iteration_dir / "common.pt").exists():  # megatron-core 0.16 writes it itself
+        return
+    torch.save(load_common_state_dict(str(iteration_dir)), iteration_dir / "common.pt")
 
 
 def _forked_write_results_queue() -> None:
@@ -378,6 +416,9 @@ _MISSING_MCORE_NAMES = {
     "megatron.core.resharding.refit": ("prepare_swap_model_weights",),
     "megatron.core.transformer.enums": ("InferenceCudaGraphScope",),
     "megatron.core.inference.utils": ("device_memory_summary",),
+    # NeMo-RL main's Megatron worker imports these (its isinstance checks for Megatron-FSDP models) from a
+    # Megatron-LM newer than megatron-core 0.19.2, the newest release; the rehearsal's model is DDP-wrapped.
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter": ("FullyShardedDataParallelV1", "FullyShardedDataParallelV2"),
 }
 
 
@@ -399,6 +440,8 @@ def _install_grad_norms_by_group() -> None:
     read after every step (megatron_policy_worker.py:718) for the MTP group; 0.16.1 has no groups."""
     from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 
+    if hasattr(MegatronOptimizer, "_compute_grad_norms_by_group"):  # 0.19+: an attribute set by step()
+        return
     for cls in (MegatronOptimizer, ChainedOptimizer):
         if not hasattr(cls, "grad_norms_by_group"):
             cls.grad_norms_by_group = property(lambda self: {})
@@ -441,7 +484,10 @@ def install() -> None:
         return
     _install_cuda_on_cpu()
     sys.meta_path.insert(0, _OnFirstUseFinder())
-    sys.meta_path.insert(0, _StubFinder(("megatron.bridge",), _MISSING_MCORE_MODULES, _BRIDGE_FUNCTIONS))
+    # Only the modules this megatron-core lacks (0.16.1 lacks them; 0.18+ has them, and their real classes
+    # are imported elsewhere in megatron-core).
+    missing = tuple(m for m in _MISSING_MCORE_MODULES if importlib.util.find_spec(m) is None)
+    sys.meta_path.insert(0, _StubFinder(("megatron.bridge",), missing, _BRIDGE_FUNCTIONS))
     for module_name, names in _MISSING_MCORE_NAMES.items():
         module = importlib.import_module(module_name)
         for name in names:

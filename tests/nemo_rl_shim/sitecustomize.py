@@ -1,11 +1,11 @@
-"""Test-only start-up shim: lets NeMo-RL v0.7.0's source (written for Python 3.13) import on 3.11.
+"""Test-only start-up shim: NeMo-RL's source tree (NEMO_RL_SRC) importable in every process of a test run.
 
 Put this folder on PYTHONPATH (tests/conftest.py does, for the test process and every subprocess and
-Ray worker it starts). Python imports `sitecustomize` at start-up, so the aliasing below happens before
-any nemo_rl import:
-- pydantic refuses `typing.TypedDict` before Python 3.12; NeMo-RL's configs are TypedDicts that pydantic
-  validates, so `typing.TypedDict`/`typing.NotRequired` become typing_extensions' versions.
-- NEMO_RL_SRC (a NeMo-RL source checkout) goes on sys.path when no installed nemo_rl exists.
+Ray worker it starts). Python imports `sitecustomize` at start-up, so this happens before any nemo_rl import:
+- NEMO_RL_SRC (a NeMo-RL source checkout) goes on sys.path when no installed nemo_rl exists;
+- only on Python < 3.12 (the fallback when a machine has no Python 3.13, see tests/suite.sh): pydantic
+  refuses `typing.TypedDict` there, and NeMo-RL's configs are TypedDicts that pydantic validates, so
+  `typing.TypedDict`/`typing.NotRequired` become typing_extensions' versions. On 3.12+ nothing is aliased.
 """
 
 import importlib.util
