@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Regenerates constraints/cpu-py311.txt: the exact versions of the CPU environment (Python 3.11, Linux
-# x86_64) that the README's commands and .ci/run install with (pip install -c constraints/cpu-py311.txt).
-# Inputs: pyproject.toml with every extra, and constraints/cpu-py311.in (torch's CPU build). Rerun it
-# after changing a dependency or an extra in pyproject.toml and commit both files together;
-# tests/test_constraints.py fails while an extra names a package the lock does not pin.
+# Regenerates the two locks and commits nothing:
+# - constraints/cpu-py311.txt: the exact versions of the CPU environment (Python 3.11, Linux x86_64) that the
+#   README's commands and .ci/run install with (pip install -c constraints/cpu-py311.txt). Inputs:
+#   pyproject.toml with every extra, and constraints/cpu-py311.in (torch's CPU build).
+# - constraints/nemo-rl-py313.txt: the NeMo-RL tier's environment on NeMo-RL's Python (3.13), which
+#   tests/suite.sh builds. Inputs: pyproject.toml's `test` and `nemo-cpu` extras and
+#   constraints/nemo-rl-py313.in (PyPI's torch).
+# Rerun it after changing a dependency or an extra in pyproject.toml and commit the files together;
+# tests/test_constraints.py fails while an extra names a package a lock does not pin.
 #
 #   bash constraints/refresh.sh              # keep the current pins, add/fix only what changed
 #   bash constraints/refresh.sh --upgrade    # move every package to its newest allowed version
@@ -36,3 +40,10 @@ done
   --custom-compile-command "bash constraints/refresh.sh" \
   -o constraints/cpu-py311.txt "$@"
 echo "wrote constraints/cpu-py311.txt ($(grep -c "^[a-z0-9]" constraints/cpu-py311.txt) pins)"
+
+"$uv" pip compile pyproject.toml constraints/nemo-rl-py313.in --extra test --extra nemo-cpu \
+  --python-version 3.13 --python-platform x86_64-manylinux_2_28 \
+  --no-config --quiet \
+  --custom-compile-command "bash constraints/refresh.sh" \
+  -o constraints/nemo-rl-py313.txt "$@"
+echo "wrote constraints/nemo-rl-py313.txt ($(grep -c "^[a-z0-9]" constraints/nemo-rl-py313.txt) pins)"

@@ -41,8 +41,8 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# NeMo-RL from source (NEMO_RL_SRC, set by .ci/run): the shim aliases typing.TypedDict/NotRequired and
-# puts the source on sys.path. Run it here for this process, and put its folder (and this checkout) on
+# NeMo-RL from source (NEMO_RL_SRC, set per tree by tests/suite.sh): the shim puts the source on sys.path
+# (and, on Python < 3.12, aliases typing.TypedDict/NotRequired). Run it here for this process, and put its folder (and this checkout) on
 # PYTHONPATH so every subprocess and Ray worker the tests start runs it at start-up too.
 _SHIM_DIR = Path(__file__).parent / "nemo_rl_shim"
 _REPO = Path(__file__).resolve().parent.parent
@@ -73,8 +73,9 @@ def _has_nemo_rl() -> bool:
 def _skip_where_absent(items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: runs inside the NeMo-RL container on the cluster")
     skip_nemo = pytest.mark.skip(
-        reason="needs NeMo-RL v0.7.0: an installed nemo_rl (nvcr.io/nvidia/nemo-rl:v0.7.0) or its source in "
-        "NEMO_RL_SRC with the `nemo-cpu` extra installed (.ci/run sets it when ../shared/upstream/nemo-rl-v0.7.0 exists)"
+        reason="needs NeMo-RL: an installed nemo_rl (nvcr.io/nvidia/nemo-rl) or a source tree in NEMO_RL_SRC with "
+        "the `nemo-cpu` extra installed (tests/suite.sh runs these once per tree in NEMO_RL_SRCS, which .ci/run "
+        "sets from ../shared/upstream)"
     )
     cuda, nemo = _has_cuda(), _has_nemo_rl()
     for item in items:

@@ -1,8 +1,8 @@
-"""Run a snippet against NeMo-RL v0.7.0's own source (NEMO_RL_SRC, default the shared checkout) on
-Python 3.11, in a child process: v0.7.0 uses `typing.TypedDict`/`typing.NotRequired` features of 3.12+,
-so they are aliased to typing_extensions' first, and neither that nor nemo_rl on sys.path leaks into the
-other tests of the session (some skip on purpose when nemo_rl is not importable). Skips when the source
-or a dependency of the imported module is absent."""
+"""Run a snippet against NeMo-RL's own source (the tree in NEMO_RL_SRC) in a child process, so that nemo_rl
+on sys.path (and, on Python < 3.12, `typing.TypedDict`/`NotRequired` aliased to typing_extensions', which
+pydantic needs for NeMo-RL's 3.12+ code) never leaks into the other tests of the session. The tests using
+it are marked nemo_rl: they run in the NeMo-RL tier (tests/suite.sh), once per tree. Skips when a
+dependency of the imported module is absent."""
 
 from __future__ import annotations
 
@@ -15,23 +15,25 @@ from pathlib import Path
 
 import pytest
 
-NEMO_RL_SRC = Path(os.environ.get("NEMO_RL_SRC", "/work/shared/upstream/nemo-rl-v0.7.0"))
 _IMPORT_FAILED = 3
 
-_PRELUDE = f"""
-import json, sys, typing, typing_extensions
-typing.TypedDict = typing_extensions.TypedDict
-typing.NotRequired = typing_extensions.NotRequired
-sys.path.append({str(NEMO_RL_SRC)!r})
+_PRELUDE = """
+import json, sys, typing
+if sys.version_info < (3, 12):
+    import typing_extensions
+    typing.TypedDict = typing_extensions.TypedDict
+    typing.NotRequired = typing_extensions.NotRequired
+sys.path.append({source!r})
 """
 
 
 def run_with_nemo_rl(imports: str, body: str, cwd: Path | None = None, env: dict | None = None):
     """Run `imports` (skip if they fail) then `body`, which prints one JSON value: returned parsed."""
-    if not (NEMO_RL_SRC / "nemo_rl").is_dir():
-        pytest.skip(f"NeMo-RL v0.7.0 source not found at {NEMO_RL_SRC} (set NEMO_RL_SRC)")
+    source = Path(os.environ.get("NEMO_RL_SRC", ""))
+    if not (source / "nemo_rl").is_dir():
+        pytest.skip(f"NeMo-RL source not found at {str(source)!r} (set NEMO_RL_SRC)")
     code = (
-        _PRELUDE
+        _PRELUDE.format(source=str(source))
         + "try:\n"
         + textwrap.indent(textwrap.dedent(imports), "    ")
         + f"\nexcept Exception as exc:\n    print(type(exc).__name__, exc, file=sys.stderr)\n    sys.exit({_IMPORT_FAILED})\n"
@@ -47,6 +49,6 @@ def run_with_nemo_rl(imports: str, body: str, cwd: Path | None = None, env: dict
         check=False,
     )
     if result.returncode == _IMPORT_FAILED:
-        pytest.skip(f"cannot import from {NEMO_RL_SRC}: {result.stderr.strip().splitlines()[-1]}")
+        pytest.skip(f"cannot import from {source}: {result.stderr.strip().splitlines()[-1]}")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])

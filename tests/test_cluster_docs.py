@@ -81,6 +81,7 @@ def test_the_cluster_mlflow_store_is_where_the_doc_says(tmp_path, monkeypatch):
         assert cell in row, cell
 
 
+@pytest.mark.nemo_rl
 def test_hub_assets_are_what_nemo_rl_loads():
     """Our table of NeMo-RL's datasets is read back from v0.7.0's own classes: each is built with
     `load_dataset` replaced by a recorder (the hub is the boundary this machine cannot reach)."""

@@ -111,7 +111,7 @@ def test_a_checkpoint_finalised_past_the_hook_stops_the_run(tmp_path):
     hooks.check()
 
     path = type(checkpointer).init_tmp_checkpoint(checkpointer, 2, {"step": 2}, None)  # not through the wrap
-    getattr(checkpointer, "finalize_checkpoint")(path)
+    checkpointer.finalize_checkpoint(path)
     with pytest.raises(SeamError) as error:
         hooks.check()
     message = str(error.value)

@@ -40,6 +40,7 @@ def test_bad_values_are_named():
         apply_job_deadline({}, {"BAPO_JOB_END_EPOCH": "10", "BAPO_SAVE_MARGIN_SEC": "x"}, now=0.0)
 
 
+@pytest.mark.nemo_rl
 def test_nemo_rl_timeout_checker_saves_before_the_job_ends():
     """Replay a cold attempt through v0.7.0's TimeoutChecker (clock faked inside the child): a 4 h job,
     35 min of set-up, 20 min steps, 900 s margin. With the deadline set after set-up, the checker asks for

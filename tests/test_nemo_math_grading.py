@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from nemo_rl_source import run_with_nemo_rl
 
 from bapo_nemo.plan.config_io import load_nemo_config
@@ -49,6 +50,7 @@ def grade():
     )
 
 
+@pytest.mark.nemo_rl
 def test_hf_math_verify_grades_dapo_answers_and_boxed_answers():
     scores = grade()
     for (response, gt, correct), (hf, dapo) in zip(CASES, scores):

@@ -24,7 +24,6 @@ from tests.nemo_rollout_pieces import (
     master_config,
 )
 
-
 CHECKPOINTING = {
     "metric_name": None,
     "higher_is_better": False,

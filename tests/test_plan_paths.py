@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from nemo_rl_source import run_with_nemo_rl
 
 from bapo_nemo.plan.checks import check_config
@@ -52,6 +53,7 @@ def test_a_relative_prompt_file_is_judged_from_the_job_working_directory(tmp_pat
     assert path_errors(config, tmp_path) == {}
 
 
+@pytest.mark.nemo_rl
 def test_the_rule_agrees_with_nemo_rl_task_data_spec(tmp_path):
     """For each path, NeMo-RL v0.7.0's own TaskDataSpec (run in `tmp_path` as working directory) raises
     exactly when our rule reports an error."""
