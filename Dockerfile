@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1
-# bapo-nemo on NVIDIA NeMo-RL v0.7.0 (Python 3.13, torch 2.11, Megatron-core, vLLM, Ray).
+# bapo-nemo on NVIDIA NeMo-RL (Python 3.13, torch, Megatron-core, vLLM, Ray): v0.7.0 by default, or the
+# NeMo-RL image given as BASE_IMAGE (tested: v0.7.0 and NeMo-RL main of 2026-08-22; docs/nemo_rl.md).
 #
 #   docker build -t bapo-nemo:latest .                  # needs `docker login nvcr.io` for the base image
-#   bash containers/make_squashfs.sh --build            # build + convert to a squashfs for enroot/pyxis
+#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/nemo-rl:<tag> -t bapo-nemo:<tag> .
+#   bash containers/make_squashfs.sh --build [--nemo-rl-image REF]   # build + squashfs for enroot/pyxis
 #
 # bapo-nemo is pure Python. It is layered over the container through PYTHONPATH rather than installed
 # with pip: NeMo-RL runs the driver in /opt/nemo_rl_venv and each Ray actor in its own venv under

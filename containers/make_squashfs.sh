@@ -2,11 +2,15 @@
 # Turn the bapo-nemo image into a squashfs file that enroot/pyxis run (srun --container-image=FILE).
 #
 #   bash containers/make_squashfs.sh --build                  # docker build . then import from the local daemon
+#   bash containers/make_squashfs.sh --build --nemo-rl-image nvcr.io/nvidia/nemo-rl:v0.8.0   # on another NeMo-RL
 #   bash containers/make_squashfs.sh --tag bapo-nemo:v1       # import an image already in the local daemon
 #   bash containers/make_squashfs.sh --registry 'nvcr.io#myorg/bapo-nemo:v1'   # import from a registry
 #
 # Options:
 #   --build              docker build the Dockerfile at the repository root first (tag: --tag)
+#   --nemo-rl-image REF  with --build: the NeMo-RL image to build on (default nvcr.io/nvidia/nemo-rl:v0.7.0;
+#                        tested: v0.7.0 and NeMo-RL main of 2026-08-22, see docs/nemo_rl.md; the driver
+#                        refuses to start on a NeMo-RL where one of its hooks cannot be placed)
 #   --tag TAG            local image tag (default: bapo-nemo:<git short commit>, or bapo-nemo:latest)
 #   --registry REF       import REF with `enroot import docker://REF` instead of the local daemon
 #                        (enroot's syntax: [USER@][REGISTRY#]IMAGE[:TAG]; credentials in
@@ -22,6 +26,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=0
 force=0
 registry=""
+nemo_rl_image="nvcr.io/nvidia/nemo-rl:v0.7.0"
+nemo_rl_image_given=0
 output="$repo/containers/bapo-nemo.sqsh"
 tag=""
 
@@ -34,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --force) force=1 ;;
     --tag) [[ $# -ge 2 ]] || die "--tag needs a value"; tag=$2; shift ;;
     --registry) [[ $# -ge 2 ]] || die "--registry needs a value"; registry=$2; shift ;;
+    --nemo-rl-image) [[ $# -ge 2 ]] || die "--nemo-rl-image needs a value"; nemo_rl_image=$2; nemo_rl_image_given=1; shift ;;
     --output) [[ $# -ge 2 ]] || die "--output needs a value"; output=$2; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown option: $1" ;;
@@ -46,6 +53,7 @@ if [[ -z "$tag" ]]; then
   tag="bapo-nemo:${commit:-latest}"
 fi
 [[ -n "$registry" && $build -eq 1 ]] && die "--build and --registry exclude each other (build, push, then --registry)"
+[[ $nemo_rl_image_given -eq 1 && $build -eq 0 ]] && die "--nemo-rl-image only applies with --build (it is the image built on)"
 
 command -v enroot >/dev/null || die "enroot not found: run this on a cluster node with enroot (https://github.com/NVIDIA/enroot)"
 if [[ -z "$registry" ]]; then
@@ -69,8 +77,8 @@ restore_previous() {
 trap restore_previous EXIT
 
 if [[ $build -eq 1 ]]; then
-  echo "building $tag from $repo/Dockerfile (base nvcr.io/nvidia/nemo-rl:v0.7.0; needs docker login nvcr.io)"
-  docker build -t "$tag" -f "$repo/Dockerfile" "$repo"
+  echo "building $tag from $repo/Dockerfile on $nemo_rl_image (needs docker login nvcr.io for NVIDIA's images)"
+  docker build --build-arg "BASE_IMAGE=$nemo_rl_image" -t "$tag" -f "$repo/Dockerfile" "$repo"
 fi
 
 if [[ -n "$registry" ]]; then

@@ -160,8 +160,21 @@ def test_build_runs_docker_build_on_the_repository_first(fake_tools, tmp_path):
     result = squashfs(env, "--build", "--tag", "bapo-nemo:present", "--output", str(tmp_path / "img.sqsh"))
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
-    build = calls.index(f"docker build -t bapo-nemo:present -f {REPO}/Dockerfile {REPO}")
+    build = calls.index(
+        f"docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/nemo-rl:v0.7.0 -t bapo-nemo:present -f {REPO}/Dockerfile {REPO}"
+    )
     assert build < next(i for i, c in enumerate(calls) if c.startswith("enroot import"))
+
+
+def test_build_takes_the_nemo_rl_image_to_build_on(fake_tools, tmp_path):
+    """The Dockerfile's BASE_IMAGE is the NeMo-RL image; the build passes the one asked for."""
+    env, log, _ = fake_tools
+    image = "nvcr.io/nvidia/nemo-rl:v0.8.0"
+    result = squashfs(env, "--build", "--nemo-rl-image", image, "--tag", "bapo-nemo:present",
+                      "--output", str(tmp_path / "img.sqsh"))
+    assert result.returncode == 0, result.stderr
+    assert f"docker build --build-arg BASE_IMAGE={image} -t bapo-nemo:present" in log.read_text()
+    assert "ARG BASE_IMAGE=nvcr.io/nvidia/nemo-rl:v0.7.0\nFROM ${BASE_IMAGE}" in (REPO / "Dockerfile").read_text()
 
 
 def test_imports_from_a_registry_without_docker(fake_tools, tmp_path):
@@ -198,6 +211,7 @@ def test_an_existing_image_is_kept_unless_forced_and_restored_if_the_import_fail
     [
         (["--tag", "bapo-nemo:absent"], "image bapo-nemo:absent is not in the local docker daemon"),
         (["--build", "--registry", "x#y:z"], "--build and --registry exclude each other"),
+        (["--tag", "bapo-nemo:present", "--nemo-rl-image", "x:y"], "--nemo-rl-image only applies with --build"),
         (["--output", "/nonexistent-dir/img.sqsh"], "output directory /nonexistent-dir does not exist"),
         (["--colour"], "unknown option: --colour"),
     ],
