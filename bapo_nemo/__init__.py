@@ -6,7 +6,7 @@ Subpackages (data flows one way: runtimes use `algorithm` and `rollout`; `tracki
 - `algorithm`: the BAPO math (config, bound search, loss). torch + pydantic only.
 - `rollout`: partial-rollout segments and the replay buffer, framework-free and checkpointable.
 - `embedded`: the single-process trainer (tiny model, tasks, generation, train loop).
-- `nemo`: the NeMo-RL v0.7.0 adapter (imports nemo_rl lazily; runs in the container).
+- `nemo`: the NeMo-RL adapter, v0.7.0 and main (imports nemo_rl lazily; runs in the container).
 - `tracking`, `export`, `plan`: MLflow and reports, HF export, config checks and memory planning.
 - `config_errors` (a module below them all): pydantic errors as lines that name the key.
 """

@@ -1,3 +1,4 @@
-"""The NeMo-RL v0.7.0 adapter: BAPOLossFn (`loss.py`, imports nemo_rl), its nemo_rl-free logic
-(`loss_math.py`, `options.py`, `groups.py`, `step_bounds.py`), partial rollouts (`partial_rollout.py`)
-and the driver (`driver.py`, `python -m bapo_nemo.train`). See docs/nemo_rl.md."""
+"""The NeMo-RL adapter (v0.7.0 and main): BAPOLossFn (`loss.py`, imports nemo_rl), its nemo_rl-free logic
+(`loss_math.py`, `options.py`, `groups.py`, `step_bounds.py`), partial rollouts (`partial_rollout.py`),
+the driver (`driver.py`, `python -m bapo_nemo.train`), where NeMo-RL releases differ (`installed.py`) and
+every place we touch NeMo-RL (`seams.py`, checked before a run starts). See docs/nemo_rl.md."""

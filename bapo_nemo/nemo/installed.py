@@ -24,7 +24,7 @@ from collections.abc import Mapping, MutableMapping
 from contextlib import nullcontext
 from typing import Any
 
-# NeMo-RL trees this adapter is tested against (tests/run_nemo_rl_tier.sh runs the NeMo-RL tests on each).
+# NeMo-RL trees this adapter is tested against (tests/suite.sh runs the NeMo-RL tests on each).
 TESTED_NEMO_RL = "v0.7.0 (nvcr.io/nvidia/nemo-rl:v0.7.0) and main of 2026-08-22 (commit 7ea279a)"
 
 # Validation sampling keys main requires, and the training key each defaults to here: what v0.7.0 did
