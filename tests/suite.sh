@@ -12,7 +12,7 @@
 # the NeMo-RL tier on this Python against the first tree (v0.7.0 in .ci/run), as tests/nemo_rl_shim allows.
 # Arguments go to every pytest (e.g. `-x`, `-k name`). Exit status: non-zero if any part failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 trees=${NEMO_RL_SRCS:-${NEMO_RL_SRC:-}}
 IFS=: read -r -a tree_list <<< "$trees"
