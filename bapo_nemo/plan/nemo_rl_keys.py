@@ -19,6 +19,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 # The example and recipe configs whose keys count as known: every GRPO master config among them (top-level
 # `grpo` and `policy` sections), as a user's config starts from one of them.
 EXAMPLES = "examples/configs/**/*.yaml"
@@ -78,12 +80,50 @@ def _type_keys(tp: Any, prefix: str, out: set[str], depth: int = 0) -> None:
         _type_keys(arg, prefix, out, depth + 1)
 
 
-def _config_keys(node: Any, prefix: str, out: set[str]) -> None:
+def _paths(node: Any, prefix: str = "") -> set[str]:
+    out: set[str] = set()
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             out.add(path)
-            _config_keys(value, path, out)
+            out |= _paths(value, path)
+    return out
+
+
+def _overridden(node: Any, prefix: str = "") -> set[str]:
+    """Sections marked `_override_: true`: they replace the parent's section instead of merging."""
+    out: set[str] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, dict) and value.get("_override_"):
+                out.add(path)
+            out |= _overridden(value, path)
+    return out
+
+
+def config_key_paths(path: Path, memo: dict[Path, frozenset[str]] | None = None) -> frozenset[str]:
+    """The key paths of a NeMo-RL config with its `defaults:` inheritance resolved, as NeMo-RL's loader
+    merges them (parents in order, then the file; `_override_` sections replace). Only the keys: no
+    values are resolved, and each file is read once (NeMo-RL's examples share deep parent chains)."""
+    memo = {} if memo is None else memo
+    path = path.resolve()
+    if path in memo:
+        return memo[path]
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    node = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+    if not isinstance(node, dict):  # not a config (e.g. a list of prompts)
+        return frozenset()
+    parents = node.pop("defaults", None)
+    keys: set[str] = set()
+    for parent in [] if parents is None else parents if isinstance(parents, list) else [parents]:
+        keys |= config_key_paths(Path(parent) if str(parent).startswith("/") else path.parent / str(parent), memo)
+    for section in _overridden(node):
+        keys = {k for k in keys if k != section and not k.startswith(section + ".")}
+    keys |= {k for k in _paths(node) if not k.endswith("._override_") and k != "_override_"}
+    memo[path] = frozenset(keys)
+    return memo[path]
 
 
 def keys_of_tree(root: Path | None) -> set[str]:
@@ -91,18 +131,17 @@ def keys_of_tree(root: Path | None) -> set[str]:
     `root` (a NeMo-RL checkout; None or absent: the types alone)."""
     from nemo_rl.algorithms.grpo import MasterConfig
 
-    from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
-
     keys: set[str] = set()
     _type_keys(MasterConfig, "", keys)
     if root is not None:
+        memo: dict[Path, frozenset[str]] = {}
         for path in sorted(root.glob(EXAMPLES)):
             try:
-                config = load_nemo_config(path)
-            except ConfigLoadError:  # inherits from a config outside examples/configs (e.g. nemo_gym/)
+                found = config_key_paths(path, memo)
+            except (OSError, yaml.YAMLError):  # e.g. inherits from a config outside examples/configs
                 continue
-            if isinstance(config, dict) and {"grpo", "policy"} <= config.keys():
-                _config_keys(config, "", keys)
+            if {"grpo", "policy"} <= found:
+                keys |= found
     return keys
 
 
