@@ -40,6 +40,7 @@ class Case:
     old: str
     new: str
     run: tuple[str, ...] = tuple(SYNC)
+    refuses: bool = True  # False: a seam with a fallback (seams.Seam.fallback): the run goes on, warned
 
 
 CASES = {
@@ -73,6 +74,10 @@ CASES = {
     ),
     "MLflowLogger summarises lists by another helper": Case(
         "MLflowLogger.log_metrics", LOGGER, "MLflowLogger.log_metrics", "_summarize_list(", "_list_summary("
+    ),
+    "the packed loss input packs through another helper": Case(
+        "_pack_input_ids", "algorithms/loss/utils.py", "prepare_packed_loss_input", "_pack_input_ids(",
+        "packing._pack_input_ids(", refuses=False,
     ),
     "async loop decides its early stop by another helper": Case(
         "_validation_early_stop_message", GRPO, "async_grpo_train", "_validation_early_stop_message(",
@@ -130,6 +135,23 @@ def run_driver(argv: list[str], tree: Path, workdir: Path) -> dict:
     }
 
 
+def decision_without_refusal(argv: list[str], tree: Path) -> dict:
+    """What the driver's pre-flight decides on NeMo-RL imported from `tree` for a seam with a fallback."""
+    import argparse
+
+    from bapo_nemo.nemo import seams
+    from bapo_nemo.nemo.driver import load_config, packed_width_guard_needed
+
+    for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
+        del sys.modules[name]
+    sys.path[:] = [str(tree)] + [p for p in sys.path if p != str(tree)]
+    seams._module_tree.cache_clear()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        off_path = seams.verify_seams(load_config(argparse.Namespace(config=argv[1]), argv[2:]))
+    return {"off_path": sorted(off_path), "stderr": err.getvalue(), "guard": packed_width_guard_needed(off_path)}
+
+
 def seam_problems_of(argv: list[str]) -> list[str]:
     """The unchanged tree's verdict on a run (the control: it must start, so the driver is not run)."""
     import argparse
@@ -147,7 +169,10 @@ def main(out_path: str, workdir: str) -> None:
     for label, case in CASES.items():
         tree = root / f"case{len(results)}"
         applied = patched_copy(source, case, tree)
-        results[label] = {"applied": applied, **run_driver(list(case.run), tree, tree / "run")}
+        if case.refuses:
+            results[label] = {"applied": applied, **run_driver(list(case.run), tree, tree / "run")}
+        else:  # the driver would go on and start the run: its decision is what is recorded
+            results[label] = {"applied": applied, **decision_without_refusal(list(case.run), tree)}
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_nemo.nemo.packing import PackedWidthGuard, fp8_packed_multiple, fused_loss_width, pad_sequence_dim
+from bapo_nemo.nemo.packing import (
+    PackedWidthGuard,
+    fp8_packed_multiple,
+    fused_loss_width,
+    install_packed_width_guard,
+    pad_sequence_dim,
+)
 from bapo_nemo.plan.config_io import load_nemo_config
 from tests.hang_guard import HANG_GUARD_S
 
@@ -90,12 +96,18 @@ for name, w in (("as_batched", unpadded), ("widened", width)):
             out[name] = str(exc)
             break
     out[name + "_padded_lengths"] = params.cu_seqlens_q_padded.diff().tolist()
+from bapo_nemo.nemo.installed import packed_loss_needs_full_width
+out["probe_needs_full_width"] = packed_loss_needs_full_width()
 print(json.dumps(out))
 """
 
 
 @pytest.mark.nemo_rl
-def test_nemo_rls_fused_loss_input_fails_on_the_32b_shapes_unless_the_batch_is_widened():
+def test_nemo_rls_fused_loss_input_on_the_32b_shapes_and_the_guard_decision():
+    """v0.7.0's fused loss input fails on the 32B shapes unless the batch is widened; main's copies the real
+    tokens (#3182). The driver's probe (installed.packed_loss_needs_full_width, on upstream's own function
+    with a 1 x 4 batch) says which of the two the installed NeMo-RL is, so the guard is installed exactly
+    where the 32B shapes fail."""
     policy = load_nemo_config(REPO / "configs" / "bapo_32b.yaml")["policy"]
     done = subprocess.run(
         [sys.executable, "-c", _PACK, json.dumps(policy), str(fused_loss_width(policy))],
@@ -105,5 +117,20 @@ def test_nemo_rls_fused_loss_input_fails_on_the_32b_shapes_unless_the_batch_is_w
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # FP8 grows the bin to 40,960 tokens through its last sequence: 15,000 -> 20,928 > 20,032 columns
     assert out["as_batched_padded_lengths"] == [20032, 20928]
-    assert "The expanded size of the tensor (20928) must match the existing size (20032)" in out["as_batched"]
+    overflow = "The expanded size of the tensor (20928) must match the existing size (20032)"
+    if out["probe_needs_full_width"]:
+        assert overflow in out["as_batched"]
+    else:
+        assert out["as_batched"] == "ok"
     assert out["widened"] == "ok"
+
+
+def test_the_guard_is_installed_only_where_it_is_needed():
+    from types import SimpleNamespace
+
+    policy = load_nemo_config(REPO / "configs" / "bapo_32b.yaml")["policy"]
+    train = lambda data, loss_fn, **kw: None
+    needed, fixed = SimpleNamespace(train=train), SimpleNamespace(train=train)
+    assert install_packed_width_guard(needed, policy, needed=True) == 40960
+    assert isinstance(needed.train, PackedWidthGuard) and needed.train.width == 40960
+    assert install_packed_width_guard(fixed, policy, needed=False) is None and fixed.train is train

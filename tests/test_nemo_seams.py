@@ -55,7 +55,7 @@ def test_the_unchanged_tree_places_every_hook(results):
         assert "Turn grpo.stop_at_validation_metric off" in line
 
 
-@pytest.mark.parametrize("label", sorted(CASES))
+@pytest.mark.parametrize("label", sorted(k for k, c in CASES.items() if c.refuses))
 def test_a_moved_call_site_makes_the_driver_refuse_before_anything_starts(results, label):
     case, run = CASES[label], results[label]
     if not run["applied"]:  # the site is absent from this NeMo-RL: the unchanged tree must refuse already
@@ -85,3 +85,16 @@ def test_the_command_refuses_as_a_user_runs_it(results, tmp_path):
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("error:")]
     assert "cannot place the hook on" in line and str(tree) in line
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_probe_off_the_call_path_keeps_the_packing_guard_on_and_says_so(results):
+    """The one seam with a fallback: the probe of `_pack_input_ids` decides whether the FP8 packing-width
+    guard is needed (main's fix, #3182). With the loss input packing through another helper, the probe's
+    answer may not be the path's: the run goes on with the guard on (correct either way), and says why."""
+    run = results["the packed loss input packs through another helper"]
+    assert run["applied"]
+    assert run["off_path"] == ["nemo_rl.algorithms.loss.utils:_pack_input_ids"]
+    assert run["guard"] is True
+    (line,) = run["stderr"].strip().splitlines()
+    assert line.startswith("warning: NeMo-RL ") and "the packing-width guard stays on" in line
+    assert "prepare_packed_loss_input no longer calls _pack_input_ids(...) as a module global" in line

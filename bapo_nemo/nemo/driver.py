@@ -161,9 +161,10 @@ def load_config(args: argparse.Namespace, overrides: list[str]) -> dict:
     return OmegaConf.to_container(config, resolve=True)
 
 
-def check_before_start(config: dict, skip_checks: bool) -> None:
+def check_before_start(config: dict, skip_checks: bool) -> set[str]:
     """Everything that can refuse the run, before anything starts or is written: our config rules, the
-    keys the installed NeMo-RL requires, and every seam this config needs on its call path."""
+    keys the installed NeMo-RL requires, and every seam this config needs on its call path. Returns the
+    seams off the path that the run goes on without (seams.py: each has a fallback)."""
     from bapo_nemo.nemo.installed import fill_validation_sampling, required_generation_keys
     from bapo_nemo.nemo.seams import verify_seams
 
@@ -171,7 +172,17 @@ def check_before_start(config: dict, skip_checks: bool) -> None:
         raise_on_errors(preflight(config))
     for line in fill_validation_sampling(config, required_generation_keys()):
         print(f"{line}: the installed NeMo-RL requires it; validation samples as training does")
-    verify_seams(config)
+    return verify_seams(config)
+
+
+def packed_width_guard_needed(off_path: set[str]) -> bool:
+    """Whether the FP8 packing-width guard is needed: where the installed NeMo-RL's fused loss input
+    overflows (installed.py's probe), or where the probe is off the loss's call path (its answer may then
+    not be the path's; the guard is correct either way)."""
+    from bapo_nemo.nemo.installed import packed_loss_needs_full_width
+    from bapo_nemo.nemo.seams import PACKED_LOSS_PROBE
+
+    return PACKED_LOSS_PROBE in off_path or packed_loss_needs_full_width()
 
 
 def attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook):
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = load_config(args, overrides)
     try:
-        check_before_start(config, args.skip_checks)
+        off_path = check_before_start(config, args.skip_checks)
     except SeamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -273,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ) = setup(master_config, tokenizer, dataset, val_dataset)
     # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
     loss_fn = make_loss_fn(master_config, setup_loss_fn)
-    install_packed_width_guard(policy, master_config.policy)  # FP8 packing x fused loss (see packing.py)
+    # FP8 packing x fused loss (see packing.py), where the installed NeMo-RL overflows
+    install_packed_width_guard(policy, master_config.policy, needed=packed_width_guard_needed(off_path))
     install_step_bounds(policy, loss_fn, master_config)
     policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
     hooks = None

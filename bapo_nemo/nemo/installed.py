@@ -13,6 +13,7 @@ adapter calls these functions and reads as if there were one NeMo-RL.
 | `CheckpointManager` as a context manager | no | yes (flushes async finalisation) | `hasattr(checkpointer, "__enter__")` |
 | early stop at a validation metric | none | `grpo.stop_at_validation_metric` | `grpo._validation_early_stop_message` exists |
 | `run_multi_turn_rollout` parameters | 7 | + `deduplicate_multimodal_data` | bound to the installed signature (partial_rollout.py) |
+| fused packed loss input, FP8-grown last sequence | overflows the batch width | copies the real tokens (#3182) | a probe of upstream's `_pack_input_ids` |
 
 Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
 """
@@ -116,3 +117,22 @@ def validation_early_stop(master_config: Any, val_metrics: Mapping | None) -> st
     if decide is None or metric is None or not val_metrics or metric not in val_metrics:
         return None
     return decide(dict(val_metrics), settings.get("stop_at_validation_threshold"), metric)
+
+
+def packed_loss_needs_full_width() -> bool:
+    """Whether the installed NeMo-RL's fused packed loss input fails when FP8 padding has grown a bin's last
+    sequence past the batch's width (v0.7.0; packing.py widens the batch then) or copies only its real
+    tokens (main, #3182: no widening needed). Decided by running upstream's own `_pack_input_ids` on a 1 x 4
+    batch whose packed sequence claims 6 tokens. Where that private function is gone, True: the widening
+    is correct with or without the fix (seams.py lists this probe)."""
+    import torch
+
+    try:
+        from nemo_rl.algorithms.loss.utils import _pack_input_ids
+    except ImportError:
+        return True
+    try:
+        _pack_input_ids(torch.zeros(1, 4, dtype=torch.long), torch.tensor([0, 6]), torch.tensor([0, 8]))
+    except RuntimeError:
+        return True
+    return False

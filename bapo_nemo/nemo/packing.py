@@ -1,4 +1,6 @@
-"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL v0.7.0's Megatron path: widen the training batch.
+"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL v0.7.0's Megatron path: widen the training batch
+(NeMo-RL main copies only the real tokens, #3182: the driver installs the guard only where the installed
+NeMo-RL still overflows, `installed.packed_loss_needs_full_width`).
 
 With FP8, NeMo-RL pads each packed micro-batch to a multiple of the FP8 block times 2*CP (times TP with
 sequence parallel) by growing the bin's LAST sequence (`megatron/data.py`,
@@ -83,9 +85,11 @@ class PackedWidthGuard:
         return self.train_fn(pad_sequence_dim(data, self.width), loss_fn, *args, **kwargs)
 
 
-def install_packed_width_guard(policy, policy_config: Mapping[str, Any]) -> int | None:
-    """Wrap `policy.train` when the configuration needs it; returns the width (None: not needed)."""
-    width = fused_loss_width(policy_config)
+def install_packed_width_guard(policy, policy_config: Mapping[str, Any], needed: bool = True) -> int | None:
+    """Wrap `policy.train` when the configuration needs it and the installed NeMo-RL overflows
+    (`needed`: `installed.packed_loss_needs_full_width()`, False on NeMo-RL main, #3182); returns the width
+    (None: not needed)."""
+    width = fused_loss_width(policy_config) if needed else None
     if width is not None:
         policy.train = PackedWidthGuard(policy.train, width)
     return width

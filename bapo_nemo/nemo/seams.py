@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -29,6 +30,8 @@ GRPO = "nemo_rl.algorithms.grpo"
 LOSSES = "nemo_rl.algorithms.loss.loss_functions"
 LOGGER = "nemo_rl.utils.logger"
 CHECKPOINT = "nemo_rl.utils.checkpoint"
+LOSS_UTILS = "nemo_rl.algorithms.loss.utils"
+PACKED_LOSS_PROBE = f"{LOSS_UTILS}:_pack_input_ids"
 
 
 class SeamError(RuntimeError):
@@ -76,6 +79,12 @@ def _validation_stop(config: Mapping) -> bool:
     return (config.get("grpo") or {}).get("stop_at_validation_metric") is not None
 
 
+def _fp8_fused_packing(config: Mapping) -> bool:
+    from bapo_nemo.nemo.packing import fused_loss_width
+
+    return fused_loss_width(config.get("policy") or {}) is not None
+
+
 @dataclass(frozen=True)
 class Seam:
     target: str  # module:qualname of what we touch
@@ -85,6 +94,7 @@ class Seam:
     sites: tuple[Site, ...]
     runtime: str = ""  # the check made while the run goes on, where the static one cannot see everything
     feature: str | None = None  # the config feature that needs this seam (None: every run)
+    fallback: str | None = None  # off the call path, the run goes on this way (said as a warning): no refusal
     applies: Callable[[Mapping], bool] = field(default=_always, compare=False)
 
 
@@ -200,6 +210,16 @@ SEAMS: tuple[Seam, ...] = (
         ),
     ),
     Seam(
+        PACKED_LOSS_PROBE,
+        "private function called (a probe)",
+        "nemo/installed.py packed_loss_needs_full_width",
+        "whether the fused packed loss input overflows on an FP8-grown last sequence (v0.7.0) or not (main, "
+        "#3182): the FP8 packing-width guard (nemo/packing.py) is installed only where it does",
+        (Site(LOSS_UTILS, "prepare_packed_loss_input", "_pack_input_ids", global_name=True),),
+        fallback="the packing-width guard stays on (correct with or without upstream's fix; it costs host memory)",
+        applies=_fp8_fused_packing,
+    ),
+    Seam(
         f"{GRPO}:_validation_early_stop_message",
         "private function called",
         "nemo/installed.py validation_early_stop",
@@ -283,33 +303,56 @@ def needed_seams(config: Mapping) -> list[Seam]:
     return [s for s in SEAMS if s.applies(config)]
 
 
-def seam_problems(config: Mapping) -> list[str]:
-    """One line per seam this config needs that is off the installed NeMo-RL's call path."""
+def _broken(seam: Seam, loop: str) -> list[str]:
+    """What of `seam` is off the installed NeMo-RL's call path (empty: it is on it)."""
+    broken: list[str] = []
+    if not _target_exists(seam.target):
+        broken.append(f"{seam.target.replace(':', '.')} does not exist")
+    for site in seam.sites:
+        if site.loop not in ("both", loop):
+            continue
+        function = _function(_module_tree(site.module), site.function)
+        if function is None:
+            broken.append(f"{site.module}.{site.function} does not exist")
+        elif not _site_holds(function, site):
+            broken.append(site.missing())
+    return broken
+
+
+def seam_report(config: Mapping) -> tuple[list[str], dict[str, str]]:
+    """(one line per seam this config needs that is off the call path and refuses the run,
+    {target: warning line} for the seams off the path that the run goes on without, in another way)."""
     loop = "async" if ((config.get("grpo") or {}).get("async_grpo") or {}).get("enabled") else "sync"
-    problems = []
+    problems: list[str] = []
+    fallbacks: dict[str, str] = {}
     for seam in needed_seams(config):
-        broken: list[str] = []
-        if not _target_exists(seam.target):
-            broken.append(f"{seam.target.replace(':', '.')} does not exist")
-        for site in seam.sites:
-            if site.loop not in ("both", loop):
-                continue
-            function = _function(_module_tree(site.module), site.function)
-            if function is None:
-                broken.append(f"{site.module}.{site.function} does not exist")
-            elif not _site_holds(function, site):
-                broken.append(site.missing())
-        if broken:
-            todo = f"turn {seam.feature} off, or run" if seam.feature else "run"
-            problems.append(
-                f"{version_line()}: cannot place the hook on {seam.target.replace(':', '.')} ({seam.how}, "
-                f"bapo_nemo/{seam.ours}): {'; '.join(broken)}. {todo.capitalize()} a tested NeMo-RL: {TESTED_NEMO_RL}"
+        broken = _broken(seam, loop)
+        if not broken:
+            continue
+        if seam.fallback is not None:
+            fallbacks[seam.target] = (
+                f"{version_line()}: the probe on {seam.target.replace(':', '.')} is off the call path "
+                f"({'; '.join(broken)}): {seam.fallback}"
             )
-    return problems
+            continue
+        todo = f"turn {seam.feature} off, or run" if seam.feature else "run"
+        problems.append(
+            f"{version_line()}: cannot place the hook on {seam.target.replace(':', '.')} ({seam.how}, "
+            f"bapo_nemo/{seam.ours}): {'; '.join(broken)}. {todo.capitalize()} a tested NeMo-RL: {TESTED_NEMO_RL}"
+        )
+    return problems, fallbacks
 
 
-def verify_seams(config: Mapping) -> None:
-    """Refuse the run (SeamError, one line per broken seam) before anything starts."""
-    problems = seam_problems(config)
+def seam_problems(config: Mapping) -> list[str]:
+    return seam_report(config)[0]
+
+
+def verify_seams(config: Mapping) -> set[str]:
+    """Refuse the run (SeamError, one line per broken seam) before anything starts. Returns the targets of
+    the broken seams the run goes on without (each said on stderr with what happens instead)."""
+    problems, fallbacks = seam_report(config)
+    for line in fallbacks.values():
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     if problems:
         raise SeamError("\n".join(problems))
+    return set(fallbacks)
