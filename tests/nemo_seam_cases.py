@@ -106,15 +106,21 @@ def patched_copy(source: Path, case: Case, target: Path) -> bool:
     return True
 
 
-def run_driver(argv: list[str], tree: Path, workdir: Path) -> dict:
-    """The driver's main() on NeMo-RL imported from `tree` (a fresh import of every nemo_rl module)."""
+def import_nemo_rl_from(tree: Path) -> None:
+    """Forget every imported nemo_rl module and the seams' parsed sources: the next import reads `tree`."""
     from bapo_nemo.nemo import seams
-    from bapo_nemo.nemo.driver import main
 
     for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
         del sys.modules[name]
     sys.path[:] = [str(tree)] + [p for p in sys.path if p != str(tree)]
     seams._module_tree.cache_clear()
+
+
+def run_driver(argv: list[str], tree: Path, workdir: Path) -> dict:
+    """The driver's main() on NeMo-RL imported from `tree` (a fresh import of every nemo_rl module)."""
+    from bapo_nemo.nemo.driver import main
+
+    import_nemo_rl_from(tree)
     logs, checkpoints = workdir / "logs", workdir / "ckpt"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -142,10 +148,7 @@ def decision_without_refusal(argv: list[str], tree: Path) -> dict:
     from bapo_nemo.nemo import seams
     from bapo_nemo.nemo.driver import load_config, packed_width_guard_needed
 
-    for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
-        del sys.modules[name]
-    sys.path[:] = [str(tree)] + [p for p in sys.path if p != str(tree)]
-    seams._module_tree.cache_clear()
+    import_nemo_rl_from(tree)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         off_path = seams.verify_seams(load_config(argparse.Namespace(config=argv[1]), argv[2:]))

@@ -13,6 +13,7 @@ import pytest
 
 from bapo_nemo.nemo.driver import DriverConfigError, preflight, raise_on_errors
 from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.nemo_rl_keys import key_paths
 from bapo_nemo.plan.schema import known_keys
 from tests.hang_guard import HANG_GUARD_S
 
@@ -43,16 +44,6 @@ def _examples_dir() -> Path:
     return path
 
 
-def _paths(node, prefix=""):
-    out = set()
-    if isinstance(node, dict):
-        for k, v in node.items():
-            p = f"{prefix}.{k}" if prefix else str(k)
-            out.add(p)
-            out |= _paths(v, p)
-    return out
-
-
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", OURS)
 def test_configs_have_every_key_of_the_megatron_example(name):
@@ -76,7 +67,7 @@ def test_configs_have_every_key_of_the_megatron_example(name):
         "data.validation.",
     )
     in_both = known_keys("v0.7.0") & known_keys("main")
-    missing = sorted(p for p in _paths(theirs) - _paths(ours) if not p.startswith(replaced) and p in in_both)
+    missing = sorted(p for p in key_paths(theirs) - key_paths(ours) if not p.startswith(replaced) and p in in_both)
     assert missing == []
 
 

@@ -253,6 +253,23 @@ def test_cli_exit_codes(capsys):
     assert "no such config file" in capsys.readouterr().out
 
 
+def test_check_takes_the_keys_of_the_nemo_rl_the_job_runs(capsys, monkeypatch):
+    """v0.7.0's keys by default; main's with --nemo-rl main (a main-only key is refused under v0.7.0,
+    naming where it belongs); --nemo-rl installed needs an importable NeMo-RL and says so otherwise."""
+    import sys
+
+    argv = ["check", str(CONFIGS / "bapo_7b.yaml"), "--nodes", "1", "--gpus-per-node", "8",
+            "++policy.generation.val_temperature=0.6"]
+    assert cli_main(argv) == 1
+    out = capsys.readouterr().out
+    assert "policy.generation.val_temperature" in out and "NeMo-RL main's" in out and "--nemo-rl main" in out
+    assert cli_main([*argv, "--nemo-rl", "main"]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "nemo_rl", None)  # no NeMo-RL here, whatever the machine has
+    assert cli_main([*argv, "--nemo-rl", "installed"]) == 1
+    assert "--nemo-rl installed: no NeMo-RL is importable here" in capsys.readouterr().out
+
+
 def test_loader_overrides_and_override_marker(tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"a": {"x": 1, "y": 2}, "b": {"n": 3}, "m": "${mul:${b.n},2}"}))

@@ -33,7 +33,7 @@ def test_each_set_up_command_of_the_first_screen_is_a_block_of_its_own():
 
 
 def test_the_cluster_block_logs_in_to_nvcr_before_the_build_and_submits_with_account_and_partition():
-    [block] = code_blocks(section("On a GPU cluster (NeMo-RL v0.7.0 container, Slurm + pyxis)"))
+    [block] = code_blocks(section("On a GPU cluster (NeMo-RL container, Slurm + pyxis)"))
     commands = [line.split("#")[0].split() for line in block]
     build = next(i for i, c in enumerate(commands) if c[:2] == ["bash", "containers/make_squashfs.sh"])
     assert "--build" in commands[build] and commands[:build].count(["docker", "login", "nvcr.io"]) == 1

@@ -5,6 +5,7 @@ before submitting it (keys against the NeMo-RL the job runs: v0.7.0 by default, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -223,6 +224,11 @@ def step_time_check(args, config: dict, plan) -> tuple[StepPlan | None, list[Fin
 
 
 def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]:
+    if args.nemo_rl == "installed" and importlib.util.find_spec("nemo_rl") is None:
+        raise ConfigLoadError(
+            "--nemo-rl installed: no NeMo-RL is importable here; check against a tested tree with "
+            "--nemo-rl v0.7.0 or --nemo-rl main, or run the check inside the NeMo-RL image"
+        )
     config = load_nemo_config(args.config, args.overrides)
     plan, findings = plan_cluster(config, args.nodes, args.gpus_per_node)
     model = None

@@ -80,13 +80,14 @@ def _type_keys(tp: Any, prefix: str, out: set[str], depth: int = 0) -> None:
         _type_keys(arg, prefix, out, depth + 1)
 
 
-def _paths(node: Any, prefix: str = "") -> set[str]:
+def key_paths(node: Any, prefix: str = "") -> set[str]:
+    """Every dotted key path of a nested mapping (sections and leaves)."""
     out: set[str] = set()
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             out.add(path)
-            out |= _paths(value, path)
+            out |= key_paths(value, path)
     return out
 
 
@@ -121,7 +122,7 @@ def config_key_paths(path: Path, memo: dict[Path, frozenset[str]] | None = None)
         keys |= config_key_paths(Path(parent) if str(parent).startswith("/") else path.parent / str(parent), memo)
     for section in _overridden(node):
         keys = {k for k in keys if k != section and not k.startswith(section + ".")}
-    keys |= {k for k in _paths(node) if not k.endswith("._override_") and k != "_override_"}
+    keys |= {k for k in key_paths(node) if not k.endswith("._override_") and k != "_override_"}
     memo[path] = frozenset(keys)
     return memo[path]
 
