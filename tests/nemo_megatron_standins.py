@@ -304,7 +304,8 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             optimizer=_optimizer_config(config),
             ddp=_ddp_config(config),
             checkpoint=SimpleNamespace(
-                save=weights_path, load=weights_path, load_optim=optimizer_path is not None, async_save=False
+                save=weights_path, load=weights_path, load_optim=optimizer_path is not None,
+                async_save=bool((mcfg.get("checkpoint") or {}).get("async_save", False)),  # main's key
             ),
         )
 
@@ -437,8 +438,12 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
     def save_checkpoint(self, weights_path, optimizer_path=None, **kwargs):
         super().save_checkpoint(weights_path, optimizer_path=optimizer_path, **kwargs)
         if self.recorder:
+            # an asynchronous save is still being written when save_checkpoint returns (finalize_async_save
+            # completes it); a synchronous one is done
+            pending = megatron_cpu._ASYNC_CALLS[0].get_num_unfinalized_calls() if megatron_cpu._ASYNC_CALLS else 0
             self.recorder.write("save", {"weights_path": weights_path, "optimizer_path": optimizer_path,
-                                         "params": self.local_params(), "optimizer": self.optimizer_summary()})
+                                         "params": self.local_params(), "optimizer": self.optimizer_summary(),
+                                         "pending_writes": pending})
 
     def local_params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}

@@ -208,9 +208,19 @@ def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
         **data_env_logger(assets, root / "logs", "rehearsal", max_input_seq_length=SEQUENCE - RESPONSE_CAP),
         "cluster": {"gpus_per_node": TP * CP * DP, "num_nodes": 1},
     }
+    if async_checkpoint_saves():  # NeMo-RL main: the workers' saves go on after save_checkpoint returns
+        overrides["policy"]["megatron_cfg"]["checkpoint"] = {"async_save": True}
     path = root / "bapo_32b_rehearsal.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path, {"partial_rollouts": partial}
+
+
+def async_checkpoint_saves() -> bool:
+    """Whether the installed NeMo-RL finalises checkpoints after asynchronous Megatron saves (main: its
+    Policy has `finalize_async_save`, grpo's `begin_finalization` waits for it before the rename)."""
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    return hasattr(Policy, "finalize_async_save")
 
 
 def unrehearsed(config: dict) -> list[str]:
@@ -647,6 +657,9 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     assert (kept / "partial_rollouts.json").exists()
     for rank, recs in policy_records(rehearsal["record"]).items():
         save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
+        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
+        # (finalize_async_save) before the rename, so step_1 was complete when it appeared
+        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
         first_init, resumed = of_kind(recs, "init")
         assert first_init["weights_path"] is None
         assert Path(resumed["weights_path"]) == weights

@@ -290,11 +290,23 @@ def save_checkpoint(
     sharded["iteration"] = iteration
     sharded["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
     _forked_write_results_queue()
+    save_root = Path(state.cfg.checkpoint.save)
+
+    def write_tracker() -> None:  # the checkpoint is complete: name it the newest (rank 0, as Bridge)
+        if torch.distributed.get_rank() == 0:
+            (save_root / TRACKER_FILE).write_text(str(iteration))
+
+    if getattr(state.cfg.checkpoint, "async_save", False):
+        # Bridge's async save: megatron-core writes in a process of its own and calls the finalize functions
+        # on every rank once all writes are done, when the caller finalizes (maybe_finalize_async_save).
+        request = dist_checkpointing.save(sharded, str(target), async_sharded_save=True, async_strategy="mcore")
+        request.add_finalize_fn(write_tracker)
+        _async_calls().schedule_async_request(request)
+        return
     dist_checkpointing.save(sharded, str(target))
     torch.distributed.barrier()
     _legacy_common_file(target)
-    if torch.distributed.get_rank() == 0:
-        (Path(state.cfg.checkpoint.save) / TRACKER_FILE).write_text(str(iteration))
+    write_tracker()
     torch.distributed.barrier()
 
 
@@ -329,10 +341,25 @@ def _forked_write_results_queue() -> None:
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
+_ASYNC_CALLS: list = []
+
+
+def _async_calls():
+    """This process's queue of async checkpoint writes (Bridge keeps one on its global state)."""
+    if not _ASYNC_CALLS:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _ASYNC_CALLS.append(AsyncCallsQueue())
+    return _ASYNC_CALLS[0]
+
+
 def maybe_finalize_async_save(global_state, ckpt_cfg=None, blocking=False, terminate=False):
-    """Bridge's async-save finaliser: the CPU path saves synchronously, so there is nothing pending."""
-    if getattr(ckpt_cfg, "async_save", False):
-        raise NotImplementedError("checkpointing.async_save is not rehearsed on CPU")
+    """Bridge's async-save finaliser: megatron-core finishes the pending writes (waiting for them when
+    `blocking`) and runs their finalize functions on every rank; nothing pending after a synchronous save."""
+    if _ASYNC_CALLS:
+        _ASYNC_CALLS[0].maybe_finalize_async_calls(blocking=blocking)
+        if terminate:
+            _ASYNC_CALLS.pop().close()
 
 
 def checkpoint_exists(path) -> bool:
