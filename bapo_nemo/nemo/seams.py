@@ -291,7 +291,10 @@ def _site_holds(function: ast.AST, site: Site) -> bool:
 
 def _target_exists(target: str) -> bool:
     module, _, qualname = target.partition(":")
-    obj: Any = importlib.import_module(module)
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        return False
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -311,7 +314,11 @@ def _broken(seam: Seam, loop: str) -> list[str]:
     for site in seam.sites:
         if site.loop not in ("both", loop):
             continue
-        function = _function(_module_tree(site.module), site.function)
+        try:
+            function = _function(_module_tree(site.module), site.function)
+        except (OSError, TypeError, ImportError) as exc:  # e.g. a NeMo-RL installed without its sources
+            broken.append(f"{site.module}'s source cannot be read to find the hook ({type(exc).__name__}: {exc})")
+            continue
         if function is None:
             broken.append(f"{site.module}.{site.function} does not exist")
         elif not _site_holds(function, site):
