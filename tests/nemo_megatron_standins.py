@@ -24,7 +24,8 @@ What `__init__` replaces, and why (megatron_policy_worker.py lines 242-450):
   (no_sync / grad_sync / param_sync, `finalize_model_grads`, the loss scaler) and the same
   `should_disable_forward_pre_hook` / DP size; no Megatron tokenizer or AutoBridge (refit converters).
 - Refit: `prepare_refit_info` / `stream_weights_via_ipc_zmq` convert through Megatron-Bridge and stream
-  CUDA-IPC handles over ZMQ; here rank 0 gathers the tensor-parallel shards into the tiny LM's
+  CUDA-IPC handles over ZMQ (non-colocated: `init_collective` / `broadcast_weights_for_collective`, an NCCL
+  broadcast); here rank 0 gathers the tensor-parallel shards into the tiny LM's
   one-process weights and posts them to the generation workers' mailbox (tests/nemo_vllm_standins.py).
 - `get_free_memory_bytes` reads NVML; here a fixed figure.
 
@@ -416,6 +417,14 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             # checkpointed, so the count goes on across a resume).
             steps = self.scheduler.num_steps // self.cfg["train_global_batch_size"]
             ray.get(refit_mailbox().post.remote(full, steps), timeout=RAY_TIMEOUT_S)
+
+    # Non-colocated generation: upstream opens an NCCL group over the trainer's and the generation
+    # engines' ranks and broadcasts the weights in it; here they go through the same mailbox.
+    def init_collective(self, ip, port, world_size, *, train_world_size, **kwargs):
+        return None
+
+    def broadcast_weights_for_collective(self, kv_scales=None, **kwargs):
+        self.stream_weights_via_ipc_zmq(kv_scales=kv_scales)
 
     # -- instrumentation around upstream's methods (they run unchanged inside) -------------------------
     def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, check_dim_skip_keys=None):
