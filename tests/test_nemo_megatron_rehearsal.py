@@ -171,45 +171,58 @@ def scaled_partial_rollouts(block: dict, response_cap: int) -> dict:
     return scaled
 
 
-def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
-    """The preset (configs/bapo_32b_64k.yaml) with sizes only changed: the model, lengths, batch sizes,
-    parallel sizes, step counts and paths. Also (each says why): precision float32 (the loss and gradient comparisons are exact
-    to ~1e-6; bf16/FP8 numerics are the GPU's), a learning rate a tiny model moves visibly with in a few
-    steps (the preset's 1e-6 would leave every ratio at 1), no warm-up, no validation (AIME is not here).
-    FP8 stays configured: NeMo-RL's packing pads micro-batches for it as on the cluster."""
-    preset = load_preset(PRESET)
-    assert preset.get("partial_rollouts"), f"{PRESET.name} ships no partial_rollouts block to rehearse"
-    partial = scaled_partial_rollouts(preset["partial_rollouts"], preset["policy"]["generation"]["max_new_tokens"])
+def sized_overrides(root: Path, assets: dict, preset: Path, *, layout: tuple[int, int, int], prompts: int,
+                    generations: int, global_batch: int, sequence: int, response_cap: int, steps: int) -> dict:
+    """What a CPU rehearsal changes in a shipped preset: sizes only -- the model, lengths, batch sizes, the
+    parallel layout (TP, CP, DP), step counts and paths. Also (each says why): precision float32 (the loss
+    and gradient comparisons are exact to ~1e-6; bf16/FP8 numerics are the GPU's), a learning rate a tiny
+    model moves visibly with in a few steps (the preset's 1e-6 would leave every ratio at 1), no warm-up, no
+    validation (AIME is not here). FP8 stays configured: NeMo-RL's packing pads micro-batches for it as on
+    the cluster."""
+    tp, cp, dp = layout
     model = str(assets["model"])
     overrides = {
-        "defaults": str(PRESET),
+        "defaults": str(preset),
         "grpo": {
-            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS,
-            "max_num_steps": STEPS, "val_period": 0, "val_at_start": False, "val_at_end": False,
+            "num_prompts_per_step": prompts, "num_generations_per_prompt": generations,
+            "max_num_steps": steps, "val_period": 0, "val_at_start": False, "val_at_end": False,
         },
         "checkpointing": {"checkpoint_dir": str(root / "checkpoints"), "metric_name": None},
         "policy": {
             "model_name": model,
             "tokenizer": {"name": model},
-            "train_global_batch_size": GLOBAL_BATCH,
-            "max_total_sequence_length": SEQUENCE,
-            "make_sequence_length_divisible_by": 2 * CP * TP,
+            "train_global_batch_size": global_batch,
+            "max_total_sequence_length": sequence,
+            "make_sequence_length_divisible_by": 2 * cp * tp,
             "precision": "float32",
             "megatron_cfg": {
-                "tensor_model_parallel_size": TP,
-                "context_parallel_size": CP,
+                "tensor_model_parallel_size": tp,
+                "context_parallel_size": cp,
                 "optimizer": {"lr": 1.0e-2, "min_lr": 1.0e-2, "bf16": False},
                 "scheduler": {"lr_warmup_iters": 0, "lr_decay_iters": 100},
             },
-            "generation": {"max_new_tokens": RESPONSE_CAP},
+            "generation": {"max_new_tokens": response_cap},
         },
-        "partial_rollouts": partial,
         # as the preset: prompt + response cap = sequence
-        **data_env_logger(assets, root / "logs", "rehearsal", max_input_seq_length=SEQUENCE - RESPONSE_CAP),
-        "cluster": {"gpus_per_node": TP * CP * DP, "num_nodes": 1},
+        **data_env_logger(assets, root / "logs", "rehearsal", max_input_seq_length=sequence - response_cap),
+        "cluster": {"gpus_per_node": tp * cp * dp, "num_nodes": 1},
     }
     if async_checkpoint_saves():  # NeMo-RL main: the workers' saves go on after save_checkpoint returns
         overrides["policy"]["megatron_cfg"]["checkpoint"] = {"async_save": True}
+    return overrides
+
+
+def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
+    """The preset (configs/bapo_32b_64k.yaml) with sizes only changed (sized_overrides), its partial-rollout
+    block scaled to them."""
+    preset = load_preset(PRESET)
+    assert preset.get("partial_rollouts"), f"{PRESET.name} ships no partial_rollouts block to rehearse"
+    partial = scaled_partial_rollouts(preset["partial_rollouts"], preset["policy"]["generation"]["max_new_tokens"])
+    overrides = sized_overrides(
+        root, assets, PRESET, layout=(TP, CP, DP), prompts=PROMPTS, generations=GENERATIONS,
+        global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS,
+    )
+    overrides["partial_rollouts"] = partial
     path = root / "bapo_32b_rehearsal.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path, {"partial_rollouts": partial}
@@ -436,9 +449,14 @@ def test_the_bounds_of_every_optimizer_step_are_the_search_over_that_steps_token
     loss call on every rank clipped with equal search_clip_bounds over the whole step's tokens, computed
     here from the step's batch and the policy's log-probs at the weights before that step (the one-process
     tiny LM on the weights the workers held), independently of the driver's search and NeMo-RL's passes."""
-    options = bapo_options(rehearsal["config"])
     steps = optimizer_steps(rehearsal)
     assert len(steps) == STEPS * PROMPTS * GENERATIONS // GLOBAL_BATCH
+    check_bounds_of_every_step(steps, bapo_options(rehearsal["config"]))
+
+
+def check_bounds_of_every_step(steps: list[dict], options) -> None:
+    """Every loss call of every optimizer step (optimizer_steps) clipped with the search over that step's
+    batch at the weights before it, and some step searched away from the starting bounds."""
     moved = 0
     for step in steps:
         batch = step["batch"]
@@ -647,7 +665,6 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     assert rehearsal["checkpoints_after_stop"] == [f"step_{STOP_DURING_STEP}"]
     assert first["train_calls"] == STOP_DURING_STEP * PROMPTS * GENERATIONS // GLOBAL_BATCH
     step_dir = rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}"  # where the resume read it
-    weights = step_dir / "policy" / "weights"
     kept = rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}"  # its files, as run 1 left them
     assert (kept / "policy" / "weights" / "latest_checkpointed_iteration.txt").read_text() == "0"
     iteration = kept / "policy" / "weights" / "iter_0000000"
@@ -655,22 +672,7 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     assert (iteration / ".metadata").exists()
     assert (iteration / "common.pt").exists() or (iteration / "metadata.json").exists()
     assert (kept / "partial_rollouts.json").exists()
-    for rank, recs in policy_records(rehearsal["record"]).items():
-        save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
-        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
-        # (finalize_async_save) before the rename, so step_1 was complete when it appeared
-        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
-        first_init, resumed = of_kind(recs, "init")
-        assert first_init["weights_path"] is None
-        assert Path(resumed["weights_path"]) == weights
-        assert Path(resumed["optimizer_path"]) == step_dir / "policy" / "optimizer"
-        for name, value in save["params"].items():
-            assert torch.equal(resumed["params"][name], value), (rank, name)
-        saved, loaded = save["optimizer"], resumed["optimizer"]
-        assert loaded["lr"] == saved["lr"]
-        assert len(loaded["moments"]) == len(saved["moments"]) > 0
-        for a, b in zip(saved["moments"], loaded["moments"]):
-            assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+    check_workers_resumed_from_their_save(policy_records(rehearsal["record"]), step_dir)
     # The parity file the driver records at every checkpoint (for `bapo-nemo export`) went through the
     # workers' real get_logprobs: it holds the saved weights' log-probs.
     from bapo_nemo.export.parity import read_reference_logprobs
@@ -686,6 +688,27 @@ def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoi
     (run,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == list(range(1, STEPS + 1))
+
+
+def check_workers_resumed_from_their_save(records: dict[int, list[dict]], step_dir: Path) -> None:
+    """Every rank's worker saved once before the stop and the resumed run's worker started from exactly the
+    weights and Adam moments it saved, reading them from `step_dir`."""
+    for rank, recs in records.items():
+        save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
+        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
+        # (finalize_async_save) before the rename, so the step's directory was complete when it appeared
+        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
+        first_init, resumed = of_kind(recs, "init")
+        assert first_init["weights_path"] is None
+        assert Path(resumed["weights_path"]) == step_dir / "policy" / "weights"
+        assert Path(resumed["optimizer_path"]) == step_dir / "policy" / "optimizer"
+        for name, value in save["params"].items():
+            assert torch.equal(resumed["params"][name], value), (rank, name)
+        saved, loaded = save["optimizer"], resumed["optimizer"]
+        assert loaded["lr"] == saved["lr"]
+        assert len(loaded["moments"]) == len(saved["moments"]) > 0
+        for a, b in zip(saved["moments"], loaded["moments"]):
+            assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
 
 
 # ---- negative controls -----------------------------------------------------------------------------------
