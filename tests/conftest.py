@@ -101,6 +101,10 @@ XDIST_GROUPS = {
     # its driver a subprocess): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which
     # would otherwise queue behind the whole group.
     "test_nemo_megatron_rehearsal.py": "nemo-rl-megatron",
+    # The async rehearsal (8 Ray actors, its own private head and driver subprocess) in the same worker, one
+    # after the other: run beside a Megatron rehearsal on a 23 GB machine, Ray's memory monitor killed one
+    # of its workers at 95% of memory.
+    "test_nemo_async_rehearsal.py": "nemo-rl-megatron",
 }
 
 

@@ -10,7 +10,8 @@ In a pytest worker the shim then stayed for every later test that worker ran (th
 with a stub AutoBridge and changed parity figures). tests/conftest.py fails any test that leaves the shim
 installed in a pytest process.
 
-SPEC.json: {"config", "root", "stop_at", "num_gpus"}. The workers record under root/record. Writes, under
+SPEC.json: {"config", "root", "stop_at", "num_gpus"} and optionally "hold" (the async engine's held request,
+tests/nemo_vllm_standins.py's HOLD_ENV). The workers record under root/record. Writes, under
 root: driver_calls.pt (every batch the driver handed Policy.train / Policy.get_logprobs, and the latter's
 results) and runs.json (each run's exit code, call counts and seconds, and the checkpoints the stopped run
 left).
@@ -34,6 +35,10 @@ from tests.ray_head import private_ray_head
 
 POLICY_WORKER = "tests.nemo_megatron_standins.CPUMegatronPolicyWorker"
 GENERATION_WORKER = "tests.nemo_vllm_standins.CPUVllmGenerationWorker"
+ASYNC_GENERATION_WORKER = "tests.nemo_vllm_standins.CPUVllmAsyncGenerationWorker"
+# Async GRPO's actors (grpo.async_grpo): registered for NeMo-RL's vLLM venv, here this interpreter, as in
+# NeMo-RL's NGC-PyTorch image (NEMO_RL_PY_EXECUTABLES_SYSTEM=1).
+ASYNC_ACTORS = [f"nemo_rl.algorithms.async_utils.{name}" for name in ("AsyncTrajectoryCollector", "ReplayBuffer")]
 
 
 @contextmanager
@@ -41,8 +46,10 @@ def upstream_seams(record_dir: Path, driver_calls: dict):
     """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
     driver hands them:
     - `Policy(worker_extension_cls_fqn=...)` (grpo.setup builds `Policy(...)`; the subclass adds the FQN);
-    - `VllmGeneration`'s worker class name (`resolve_generation_worker_cls`, its quantisation seam);
-    - both run in this interpreter (NeMo-RL's registry would send them to the GPU venvs);
+    - `VllmGeneration`'s worker class name (`resolve_generation_worker_cls`, its quantisation seam): the
+      synchronous engine's stand-in, or the async engine's with `vllm_cfg.async_engine`;
+    - they and async GRPO's actors run in this interpreter (NeMo-RL's registry would send them to the
+      GPU venvs);
     - Megatron wants TORCH_CUDA_ARCH_LIST set (lm_policy.py); the workers record under `record_dir`.
     `driver_calls` gets every batch the driver passes to Policy.train / Policy.get_logprobs, and the
     Policy / VllmGeneration objects built (run_driver shuts them down before disconnecting from Ray, as a
@@ -73,16 +80,20 @@ def upstream_seams(record_dir: Path, driver_calls: dict):
             super().__init__(*args, worker_extension_cls_fqn=POLICY_WORKER, **kwargs)
             driver_calls["built"].append(self)
 
-    class RecordedVllmGeneration(vllm_generation.VllmGeneration):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            driver_calls["built"].append(self)
+    # Noted in place, not through a subclass: async GRPO hands the VllmGeneration object to its collector
+    # actor, and a class defined here would be pickled by value with this closure (the driver's Policy).
+    original_generation_init = vllm_generation.VllmGeneration.__init__
+
+    def generation_init(self, *args, **kwargs):
+        original_generation_init(self, *args, **kwargs)
+        driver_calls["built"].append(self)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo, "Policy", CPUWorkersPolicy)
-        mp.setattr(grpo, "VllmGeneration", RecordedVllmGeneration)
-        mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: GENERATION_WORKER)
-        for fqn in (POLICY_WORKER, GENERATION_WORKER):
+        mp.setattr(vllm_generation.VllmGeneration, "__init__", generation_init)
+        mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: (
+            ASYNC_GENERATION_WORKER if cfg["vllm_cfg"]["async_engine"] else GENERATION_WORKER))
+        for fqn in (POLICY_WORKER, GENERATION_WORKER, ASYNC_GENERATION_WORKER, *ASYNC_ACTORS):
             mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, fqn, PY_EXECUTABLES.SYSTEM)
         mp.setattr(Policy, "train", train)
         mp.setattr(Policy, "get_logprobs", get_logprobs)
@@ -120,6 +131,10 @@ def rehearse(spec: dict) -> None:
         if len(seen) == spec["stop_at"]:
             os.kill(os.getpid(), signal.SIGUSR1)
 
+    if spec.get("hold"):
+        from tests.nemo_vllm_standins import HOLD_ENV
+
+        os.environ[HOLD_ENV] = spec["hold"]
     runs = []
     with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(root / "record", calls):
         calls["on_train"].append(signal_during_stop_step)

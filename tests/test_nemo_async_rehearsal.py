@@ -1,0 +1,222 @@
+"""NeMo-RL's async GRPO with in-flight weight updates, rehearsed on CPU: `python -m bapo_nemo.train` on
+configs/bapo_32b.yaml (the Megatron preset without partial rollouts, which the async loop does not take)
+changed in sizes, plus `grpo.async_grpo` (max_trajectory_age_steps 1, in_flight_weight_updates) and
+non-colocated generation on vLLM's async engine, through NeMo-RL's real `async_grpo_train`, its
+AsyncTrajectoryCollector and ReplayBuffer actors, `Policy` with the CPU Megatron workers (TP 1 x CP 2 x
+DP 1) and `VllmGeneration` with one async engine.
+
+The stand-ins are those of tests/test_nemo_megatron_rehearsal.py (its module docstring), and in vLLM's
+place `CPUVllmAsyncGenerationWorker` around a CPU AsyncLLM (tests/nemo_vllm_standins.py): one decode loop
+over all running requests, weight updates applied between two steps while requests keep running.
+
+In-flight updates by construction, not by timing: the engine holds one request after its first token
+until its next weight update (HOLD below). The request is one of step 2's: the collector starts step 2's
+prompt groups (target weight 1, sampled at version 0) only as step 1's groups finish (one slot per prompt
+of a step), so the last of them arrives after every one of step 1's requests has finished, and the first
+request to arrive after that many is held. Step 1 trains without it, the refit after step 1 releases it,
+and step 2 waits for its group: it reaches the loss with tokens of two policy versions.
+
+One module-scoped run: two driver runs in a process of their own (tests/nemo_megatron_rehearsal_run.py);
+SIGUSR1 during step 2 stops the first after its checkpoint, the same command resumes for step 3.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.test_nemo_megatron_rehearsal import (
+    REPO,
+    bapo_options,
+    check_bounds_of_every_step,
+    check_workers_resumed_from_their_save,
+    load_rehearsal,
+    of_kind,
+    optimizer_steps,
+    policy_records,
+    sized_overrides,
+    weights_of,
+)
+
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.timeout(1500)]
+RUN_GUARD_S = 1200
+
+PRESET = REPO / "configs" / "bapo_32b.yaml"
+# TP 1 x CP 2 x DP 1 trains (CP keeps the packed, chunked path of the presets), one logical GPU generates.
+TP, CP, DP, GENERATION_GPUS = 1, 2, 1, 1
+# 2 prompts x 4 samples per step, trained as 2 optimizer steps of 4 (step bounds need an extra pass).
+PROMPTS, GENERATIONS, GLOBAL_BATCH = 2, 4, 4
+SEQUENCE, RESPONSE_CAP = 16, 8
+STEPS, STOP_DURING_STEP = 3, 2
+PER_ROLLOUT = PROMPTS * GENERATIONS // GLOBAL_BATCH
+# The engine holds the first request that arrives after a whole step's requests have finished, once it
+# has 1 token (the warm-started model's responses take 2+).
+HOLD = f"{PROMPTS * GENERATIONS}:1"
+
+
+def async_config(root: Path, assets: dict) -> Path:
+    overrides = sized_overrides(
+        root, assets, PRESET, layout=(TP, CP, DP), prompts=PROMPTS, generations=GENERATIONS,
+        global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS,
+    )
+    overrides["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": True}
+    overrides["policy"]["generation"].update(
+        colocated={"enabled": False, "resources": {"gpus_per_node": GENERATION_GPUS, "num_nodes": None}},
+        vllm_cfg={"async_engine": True, "tensor_parallel_size": 1},
+    )
+    overrides["cluster"]["gpus_per_node"] = TP * CP * DP + GENERATION_GPUS
+    path = root / "bapo_32b_async_rehearsal.yaml"
+    path.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    from tests.nemo_vllm_standins import write_answer_jsonl, write_rehearsal_model
+
+    root = tmp_path_factory.mktemp("async_rehearsal")
+    assets = {
+        "model": write_rehearsal_model(root / "tiny_lm", positions=SEQUENCE),
+        "train": write_answer_jsonl(root / "train.jsonl", 256),
+        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
+    }
+    config = async_config(root, assets)
+    spec = {
+        "config": str(config), "root": str(root), "hold": HOLD,
+        "stop_at": (STOP_DURING_STEP - 1) * PER_ROLLOUT + 1,  # the stop step's first train()
+        "num_gpus": TP * CP * DP + GENERATION_GPUS,
+    }
+    (root / "spec.json").write_text(json.dumps(spec))
+    log = root / "driver.log"
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_rehearsal_run", str(root / "spec.json")],
+                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)
+    assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
+    summary = json.loads((root / "runs.json").read_text())
+    (root / "rehearsal.json").write_text(json.dumps({
+        **summary, "info": {}, "config": str(config), "assets": {k: str(v) for k, v in assets.items()},
+    }))
+    return load_rehearsal(root)
+
+
+def engine_records(record_dir: Path) -> list[dict]:
+    """Every request the async engines finished (both runs), as they recorded it."""
+    records = []
+    for path in sorted((record_dir / "generation").glob("async_owner*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+@pytest.mark.slow  # the module's run: minutes on two cores
+def test_both_runs_finish(rehearsal):
+    assert [r["rc"] for r in rehearsal["runs"]] == [0, 0], rehearsal["runs"]
+
+
+def engine_weights(record_dir: Path) -> dict[tuple[str, int], dict]:
+    """(engine, update) -> {"policy_steps", "weights"}: what each weight update brought each engine."""
+    return {tuple(p.stem.rsplit("_", 1)[0:1]) + (int(p.stem.rsplit("_", 1)[1]),): torch.load(p)
+            for p in sorted((record_dir / "generation" / "weights").glob("*.pt"))}
+
+
+@pytest.mark.slow
+def test_a_response_sampled_across_an_in_flight_update_reaches_the_loss_with_per_token_behaviour_logprobs(rehearsal):
+    """Every response the loss saw came from the engine, and its generation_logprobs are, token by token,
+    the log-probs of the weights that sampled that token (the tiny LM in one process at the weights the
+    engine had received when it sampled it), not of one version per response; the held request is among
+    them, its tokens from two policy versions, unmasked."""
+    from tests.nemo_vllm_standins import load_weights, token_logprobs
+
+    steps = optimizer_steps(rehearsal)
+    assert len(steps) == STEPS * PER_ROLLOUT
+    records = engine_records(rehearsal["record"])
+    received = engine_weights(rehearsal["record"])
+    first_engine = records[0]["engine"]
+    assert [r["engine"] for r in records if r["held"]].count(first_engine) == 1, "run 1's engine held no request"
+    mixed = []
+    for step in steps:
+        for record in step["ranks"].values():
+            if record["coords"]["cp"]:  # CP peers see the same rows
+                continue
+            for call in record["loss_calls"]:
+                data = call["data"]
+                for j in range(data["input_ids"].shape[0]):
+                    n = int(data["input_lengths"][j])
+                    ids = data["input_ids"][j, :n].tolist()
+                    start = int(data["token_mask"][j, :n].nonzero()[0])
+                    behaviour = data["generation_logprobs"][j, start:n].tolist()
+                    source = [r for r in records if r["context"] == ids[:start] and r["tokens"] == ids[start:]
+                              and r["logprobs"] == pytest.approx(behaviour, abs=1e-6)]
+                    assert source, f"optimizer step {step['index']}: a loss row no engine request produced"
+                    request = source[-1]
+                    assert data["token_mask"][j, start:n].tolist() == [1] * (n - start)
+                    for i, update in enumerate(request["updates"]):
+                        weights = received.get((request["engine"], update), {}).get("weights")
+                        if weights is None:  # update 0: the weights the engine loaded itself
+                            weights = load_weights(rehearsal["assets"]["model"])
+                        want = float(token_logprobs(weights, torch.tensor([ids]))[0, start + i])
+                        assert behaviour[i] == pytest.approx(want, abs=1e-5), (step["index"], j, i, update)
+                    if len(set(request["updates"])) > 1:
+                        mixed.append((step["index"], request))
+    assert mixed, "no response written by two policy versions reached the loss"
+    (index, request), = {(i, r["request_id"]): (i, r) for i, r in mixed}.values()
+    assert request["held"] and request["engine"] == first_engine
+    # step 2 (its optimizer steps PER_ROLLOUT..) trained it: sampled by the weights of step 1's start and end
+    assert index // PER_ROLLOUT == 1
+    assert sorted(set(request["policy_steps"])) == [0, PER_ROLLOUT]
+
+
+@pytest.mark.slow
+def test_the_bounds_of_every_optimizer_step_are_the_search_over_its_loss_inputs(rehearsal):
+    """granularity: step, off-policy samples: every loss call clipped with search_clip_bounds over its
+    optimizer step's tokens, computed here from the batch (ratios against the per-token behaviour
+    log-probs) and the tiny LM at the weights before that step."""
+    check_bounds_of_every_step(optimizer_steps(rehearsal), bapo_options(rehearsal["config"]))
+
+
+@pytest.mark.slow
+def test_sigusr1_stops_after_a_checkpoint_and_the_same_command_resumes(rehearsal):
+    """SIGUSR1 during step 2 -> async_grpo_train checkpoints step 2 (the workers' weights and optimizer, the
+    replay buffer, the collector's dataloader) and the driver exits 0; the same command resumes from it:
+    every worker from exactly what it saved, step 3 runs and logs into the same MLflow run."""
+    import mlflow
+
+    first, second = rehearsal["runs"]
+    assert (first["rc"], second["rc"]) == (0, 0)
+    assert rehearsal["checkpoints_after_stop"] == [f"step_{STOP_DURING_STEP}"]
+    assert first["train_calls"] == STOP_DURING_STEP * PER_ROLLOUT
+    kept = rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}"
+    assert (kept / "replay_buffer.pt").exists() and (kept / "train_dataloader.pt").exists()
+    records = policy_records(rehearsal["record"])
+    check_workers_resumed_from_their_save(records, rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}")
+    assert all(len(of_kind(recs, "train")) == STEPS * PER_ROLLOUT for recs in records.values())
+    done = json.loads((rehearsal["root"] / "checkpoints" / f"step_{STEPS}" / "training_info.json").read_text())
+    assert done["current_step"] == STEPS  # the async loop counts in current_step
+    client = mlflow.tracking.MlflowClient(rehearsal["assets"]["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the refit reads the model's parameters right after the optimizer step: with the distributed optimizer "
+    "over DP x CP = 2 ranks and overlap_param_gather (the presets' settings), megatron-core gathers the shards "
+    "the other ranks updated only in the next forward's pre-hook, so part of the weights reaches the engine "
+    "one optimizer step old (upstream exports through Megatron-Bridge, which the stand-in does not run)"))
+def test_every_weight_update_brings_the_trainers_weights(rehearsal):
+    """Each weight update brings the engine the trainer's weights after the optimizer steps it says it has
+    seen (the (dp 0, cp 0) rank's weights before the next optimizer step)."""
+    records = policy_records(rehearsal["record"])
+    trainer = {k: weights_of(records, "grads", k) for k in range(STEPS * PER_ROLLOUT)}
+    compared = 0
+    for (engine, update), got in engine_weights(rehearsal["record"]).items():
+        if got["policy_steps"] in trainer:
+            compared += 1
+            for name, value in trainer[got["policy_steps"]].items():
+                assert torch.equal(got["weights"][name], value), (engine, update, name)
+    assert compared >= STEPS
