@@ -1,5 +1,6 @@
-"""Test fixtures for the CPU rehearsal of the Megatron training path (tests/test_nemo_megatron_rehearsal.py):
-the tiny language model in its one-process form, its assets, and the stand-in for vLLM's generation worker.
+"""Test fixtures for the CPU rehearsals of the Megatron training path (tests/test_nemo_megatron_rehearsal.py,
+tests/test_nemo_async_rehearsal.py): the tiny language model in its one-process form, its assets, and the
+stand-ins for vLLM's generation workers.
 
 Kept free of Megatron imports: the generation workers (8 Ray actors) import only this module.
 
@@ -19,6 +20,12 @@ zero and BAPO's searches have both signs to weigh.
 and merges the results; each owner samples token by token from the tiny LM and answers in the layout of
 `VllmGenerationWorker.generate`. Refit (vLLM's CUDA-IPC/ZMQ weight stream) becomes a hand-over through a
 named Ray actor (`RefitMailbox`): the policy's rank 0 posts the full weights, every owner takes the newest.
+
+`CPUVllmAsyncGenerationWorker` replaces `VllmAsyncGenerationWorker` (`vllm_cfg.async_engine`): its methods
+are upstream's, written around `self.llm`, here `CPUAsyncLLM`, a CPU stand-in for vLLM's AsyncLLM with its
+API (an async generator of cumulative RequestOutputs per request, `collective_rpc`), one decode loop over
+all running requests, and weight updates applied between two decode steps while requests keep running
+(vLLM's in-flight weight updates).
 """
 
 from __future__ import annotations
@@ -509,6 +516,8 @@ class CPUAsyncLLM:
         return None
 
     def shutdown(self) -> None:
+        for request in self._requests.values():  # a held request among them: its caller stops waiting
+            request.outputs.put_nowait(RuntimeError("engine shut down"))
         if self._task is not None:
             self._task.cancel()
 

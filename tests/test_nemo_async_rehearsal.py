@@ -10,14 +10,16 @@ place `CPUVllmAsyncGenerationWorker` around a CPU AsyncLLM (tests/nemo_vllm_stan
 over all running requests, weight updates applied between two steps while requests keep running.
 
 In-flight updates by construction, not by timing: the engine holds one request after its first token
-until its next weight update (HOLD below). The request is one of step 2's: the collector starts step 2's
-prompt groups (target weight 1, sampled at version 0) only as step 1's groups finish (one slot per prompt
-of a step), so the last of them arrives after every one of step 1's requests has finished, and the first
-request to arrive after that many is held. Step 1 trains without it, the refit after step 1 releases it,
-and step 2 waits for its group: it reaches the loss with tokens of two policy versions.
+until its next weight update (HOLD below): the first request to arrive after every request of the
+initial weights has finished. The collector generates for steps 1 and 2 (targets 0 and 1, 2 x 8
+requests) from the initial weights and then waits for a refit, so that request is one of step 3's,
+sampled by the weights the refit after step 1 brought; it is not needed before step 3, the refit after
+step 2 releases it, and step 3 waits for its group: it reaches the loss with tokens of two policy
+versions, within the first run (a request finished after the stop's checkpoint would not be in its
+replay buffer).
 
 One module-scoped run: two driver runs in a process of their own (tests/nemo_megatron_rehearsal_run.py);
-SIGUSR1 during step 2 stops the first after its checkpoint, the same command resumes for step 3.
+SIGUSR1 during step 3 stops the first after its checkpoint, the same command resumes for step 4.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ TP, CP, DP, GENERATION_GPUS = 1, 2, 1, 1
 # 2 prompts x 4 samples per step, trained as 2 optimizer steps of 4 (step bounds need an extra pass).
 PROMPTS, GENERATIONS, GLOBAL_BATCH = 2, 4, 4
 SEQUENCE, RESPONSE_CAP = 16, 8
-STEPS, STOP_DURING_STEP = 3, 2
+STEPS, STOP_DURING_STEP = 4, 3
 PER_ROLLOUT = PROMPTS * GENERATIONS // GLOBAL_BATCH
-# The engine holds the first request that arrives after a whole step's requests have finished, once it
-# has 1 token (the warm-started model's responses take 2+).
-HOLD = f"{PROMPTS * GENERATIONS}:1"
+# The engine holds the first request that arrives after the initial weights' requests (steps 1 and 2 with
+# max_trajectory_age_steps 1) have finished, once it has 1 token (the warm-started model's take 2+).
+HOLD = f"{2 * PROMPTS * GENERATIONS}:1"
 
 
 def async_config(root: Path, assets: dict) -> Path:
@@ -166,9 +168,9 @@ def test_a_response_sampled_across_an_in_flight_update_reaches_the_loss_with_per
     assert mixed, "no response written by two policy versions reached the loss"
     (index, request), = {(i, r["request_id"]): (i, r) for i, r in mixed}.values()
     assert request["held"] and request["engine"] == first_engine
-    # step 2 (its optimizer steps PER_ROLLOUT..) trained it: sampled by the weights of step 1's start and end
-    assert index // PER_ROLLOUT == 1
-    assert sorted(set(request["policy_steps"])) == [0, PER_ROLLOUT]
+    # step 3 trained it (in the first run): sampled by the weights after steps 1 and 2
+    assert index // PER_ROLLOUT == 2 < STOP_DURING_STEP
+    assert sorted(set(request["policy_steps"])) == [PER_ROLLOUT, 2 * PER_ROLLOUT]
 
 
 @pytest.mark.slow
@@ -181,9 +183,9 @@ def test_the_bounds_of_every_optimizer_step_are_the_search_over_its_loss_inputs(
 
 @pytest.mark.slow
 def test_sigusr1_stops_after_a_checkpoint_and_the_same_command_resumes(rehearsal):
-    """SIGUSR1 during step 2 -> async_grpo_train checkpoints step 2 (the workers' weights and optimizer, the
+    """SIGUSR1 during step 3 -> async_grpo_train checkpoints step 3 (the workers' weights and optimizer, the
     replay buffer, the collector's dataloader) and the driver exits 0; the same command resumes from it:
-    every worker from exactly what it saved, step 3 runs and logs into the same MLflow run."""
+    every worker from exactly what it saved, step 4 runs and logs into the same MLflow run."""
     import mlflow
 
     first, second = rehearsal["runs"]
