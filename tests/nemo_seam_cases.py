@@ -24,12 +24,17 @@ REPO = Path(__file__).resolve().parent.parent
 GRPO, LOSSES, LOGGER = "algorithms/grpo.py", "algorithms/loss/loss_functions.py", "utils/logger.py"
 
 # The run each case needs: the 32B-64k preset (sync loop, partial rollouts, checkpoints) or the 7B preset
-# turned async with a validation early stop. `--skip-checks`: our config rules are not what is tested.
+# turned async with a validation early stop, or with in-flight weight updates. `--skip-checks`: our config rules are not what is tested.
 SYNC = ["--config", str(REPO / "configs" / "bapo_32b_64k.yaml")]
 ASYNC = [
     "--config", str(REPO / "configs" / "bapo_7b.yaml"), "++grpo.async_grpo.enabled=true",
     "++grpo.stop_at_validation_metric=accuracy", "++grpo.stop_at_validation_threshold=0.9",
 ]
+IN_FLIGHT = [
+    "--config", str(REPO / "configs" / "bapo_7b.yaml"), "++grpo.async_grpo.enabled=true",
+    "++grpo.async_grpo.in_flight_weight_updates=true",
+]
+VLLM = "models/generation/vllm"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,19 @@ CASES = {
     "the packed loss input packs through another helper": Case(
         "_pack_input_ids", "algorithms/loss/utils.py", "prepare_packed_loss_input", "_pack_input_ids(",
         "packing._pack_input_ids(", refuses=False,
+    ),
+    "VllmGeneration resolves its worker class through a module": Case(
+        "resolve_generation_worker_cls", f"{VLLM}/vllm_generation.py", "VllmGeneration.__init__",
+        "= resolve_generation_worker_cls(", "= vllm_utils.resolve_generation_worker_cls(", tuple(IN_FLIGHT),
+    ),
+    "the async vLLM worker reaches its engine by another name": Case(
+        "VllmAsyncGenerationWorkerImpl.generate_async", f"{VLLM}/vllm_worker_async.py",
+        "VllmAsyncGenerationWorkerImpl.generate_async", "self.llm.generate(", "self.engine.generate(",
+        tuple(IN_FLIGHT),
+    ),
+    "async loop refits through a module": Case(
+        "refit_policy_generation", GRPO, "async_grpo_train", "refit_policy_generation(",
+        "refit.refit_policy_generation(", tuple(IN_FLIGHT),
     ),
     "async loop decides its early stop by another helper": Case(
         "_validation_early_stop_message", GRPO, "async_grpo_train", "_validation_early_stop_message(",
@@ -168,14 +186,15 @@ def seam_problems_of(argv: list[str]) -> list[str]:
 def main(out_path: str, workdir: str) -> None:
     source = Path(os.environ["NEMO_RL_SRC"])
     root = Path(workdir)
-    results: dict = {"unchanged": seam_problems_of(SYNC), "unchanged, async": seam_problems_of(ASYNC)}
+    results: dict = {"unchanged": seam_problems_of(SYNC), "unchanged, async": seam_problems_of(ASYNC),
+                     "unchanged, in-flight updates": seam_problems_of(IN_FLIGHT)}
     for label, case in CASES.items():
         tree = root / f"case{len(results)}"
         applied = patched_copy(source, case, tree)
         if case.refuses:
-            results[label] = {"applied": applied, **run_driver(list(case.run), tree, tree / "run")}
+            results[label] = {"applied": applied, "tree": str(tree), **run_driver(list(case.run), tree, tree / "run")}
         else:  # the driver would go on and start the run: its decision is what is recorded
-            results[label] = {"applied": applied, **decision_without_refusal(list(case.run), tree)}
+            results[label] = {"applied": applied, "tree": str(tree), **decision_without_refusal(list(case.run), tree)}
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 

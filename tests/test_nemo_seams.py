@@ -47,6 +47,7 @@ def test_every_seam_has_a_case():
 
 def test_the_unchanged_tree_places_every_hook(results):
     assert results["unchanged"] == []
+    assert results["unchanged, in-flight updates"] == []
     if _has_early_stop_helper():
         assert results["unchanged, async"] == []
     else:  # v0.7.0: no validation early stop at all; a config asking for it is refused, naming why
@@ -74,7 +75,8 @@ def test_a_moved_call_site_makes_the_driver_refuse_before_anything_starts(result
 
 def test_the_command_refuses_as_a_user_runs_it(results, tmp_path):
     """`python -m bapo_nemo.train` in a fresh process on one moved tree: exit 2, one line, nothing written."""
-    tree = next(p.parent for p in sorted(results["root"].glob("case*/nemo_rl")) if p.is_dir())
+    label = next(k for k, c in sorted(CASES.items()) if c.refuses and list(c.run) == SYNC and results[k]["applied"])
+    tree = Path(results[label]["tree"])
     env = {**os.environ, "NEMO_RL_SRC": str(tree), "PYTHONPATH": os.pathsep.join([str(tree), str(REPO)])}
     done = subprocess.run(
         [sys.executable, "-m", "bapo_nemo.train", *SYNC, "--skip-checks", f"logger.log_dir={tmp_path}/logs",

@@ -2,9 +2,10 @@
 
     load config (+ Hydra overrides) -> our config checks, the keys the installed NeMo-RL requires, every
     seam on its call path (seams.py) -> MLflow logger config -> MasterConfig -> init_ray -> tokenizer,
-    generation config, datasets -> [partial rollouts] -> grpo.setup(...)
+    generation config, datasets -> [partial rollouts | per-token version recording] -> grpo.setup(...)
     -> replace setup's ClippedPGLossFn by BAPOLossFn -> [FP8 packing width guard, step-granularity
-    wrapper on policy.train] -> our files in every checkpoint, and their watch (checkpoint_hooks.py)
+    wrapper on policy.train, per-token ages] -> our files in every checkpoint, and their watch
+    (checkpoint_hooks.py)
     -> MLflow tags/params -> grpo_train or async_grpo_train, inside the checkpointer's scope
 
 Where NeMo-RL releases differ, installed.py decides from what the installed nemo_rl has.
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from bapo_nemo.nemo.seams import SeamError
     from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
     from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
+    from bapo_nemo.nemo.token_versions import TokenVersions, needs_token_versions
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
     config = load_config(args, overrides)
@@ -266,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
 
         partial_hook = install_partial_rollouts(master_config)  # before setup(): it wraps grpo's rollout
+    token_versions = None
+    if needs_token_versions(config):  # in-flight weight updates: which policy produced each token
+        token_versions = TokenVersions(async_settings(master_config)["max_trajectory_age_steps"])
+        token_versions.install()  # before setup(): it picks the vLLM worker class and wraps grpo's refit
 
     (
         policy,
@@ -288,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     install_packed_width_guard(policy, master_config.policy, needed=packed_width_guard_needed(off_path))
     install_step_bounds(policy, loss_fn, master_config)
     policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
+    if token_versions is not None:
+        token_versions.attach(policy, policy_generation, save_state_value(grpo_state, "current_step"),
+                              master_config.logger["log_dir"])
     hooks = None
     if checkpointing:
         hooks = attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook)

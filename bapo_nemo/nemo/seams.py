@@ -32,6 +32,8 @@ LOGGER = "nemo_rl.utils.logger"
 CHECKPOINT = "nemo_rl.utils.checkpoint"
 LOSS_UTILS = "nemo_rl.algorithms.loss.utils"
 PACKED_LOSS_PROBE = f"{LOSS_UTILS}:_pack_input_ids"
+VLLM_GENERATION = "nemo_rl.models.generation.vllm.vllm_generation"
+VLLM_ASYNC_WORKER = "nemo_rl.models.generation.vllm.vllm_worker_async"
 
 
 class SeamError(RuntimeError):
@@ -77,6 +79,12 @@ def _checkpointing(config: Mapping) -> bool:
 
 def _validation_stop(config: Mapping) -> bool:
     return (config.get("grpo") or {}).get("stop_at_validation_metric") is not None
+
+
+def _in_flight_updates(config: Mapping) -> bool:
+    from bapo_nemo.nemo.token_versions import needs_token_versions
+
+    return needs_token_versions(config)
 
 
 def _fp8_fused_packing(config: Mapping) -> bool:
@@ -169,12 +177,47 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "nemo_rl.models.policy.lm_policy:Policy.train",
         "instance method wrapped",
-        "nemo/step_bounds.py, packing.py, step_signal.py, partial_rollout.py, checkpoint_hooks.py",
-        "per-step bounds, the FP8 packed width, the signal metrics, policy versions, the checkpoint watch",
+        "nemo/step_bounds.py, packing.py, step_signal.py, partial_rollout.py, checkpoint_hooks.py, "
+        "token_versions.py",
+        "per-step bounds, the FP8 packed width, the signal metrics, policy versions, the checkpoint watch, "
+        "per-token versions and ages",
         (
             Site(GRPO, "grpo_train", "policy.train", loop="sync"),
             Site(GRPO, "async_grpo_train", "policy.train", loop="async"),
         ),
+    ),
+    Seam(
+        f"{VLLM_GENERATION}:resolve_generation_worker_cls",
+        "module name replaced by a wrapper; actor registry entry added",
+        "nemo/token_versions.py TokenVersions.install",
+        "in-flight weight updates: the vLLM worker class becomes a subclass that records which weights "
+        "produced each token (the engine's stream says nothing about it)",
+        (Site(VLLM_GENERATION, "VllmGeneration.__init__", "resolve_generation_worker_cls", global_name=True),),
+        runtime="every generation worker's count of weight updates must equal the loop's refits at every "
+        "train step (TokenVersions.collect), else the run stops",
+        feature="grpo.async_grpo.in_flight_weight_updates",
+        applies=_in_flight_updates,
+    ),
+    Seam(
+        f"{VLLM_ASYNC_WORKER}:VllmAsyncGenerationWorkerImpl.generate_async",
+        "subclassed: the engine's generate wrapped per instance, the *_async weight updates wrapped",
+        "nemo/token_versions.py _versioned_class",
+        "the worker streams each request through self.llm.generate: the only place that sees a request's "
+        "token count when a weight update lands",
+        (Site(VLLM_ASYNC_WORKER, "VllmAsyncGenerationWorkerImpl.generate_async", "self.llm.generate"),),
+        runtime="as above: an update path we do not wrap shows as a count that differs from the refits",
+        feature="grpo.async_grpo.in_flight_weight_updates",
+        applies=_in_flight_updates,
+    ),
+    Seam(
+        f"{GRPO}:refit_policy_generation",
+        "module name replaced by a wrapper",
+        "nemo/token_versions.py TokenVersions.install",
+        "each refit's policy version: engine update k carried the weights of the k-th refit",
+        (Site(GRPO, "async_grpo_train", "refit_policy_generation", global_name=True, loop="async"),),
+        runtime="as above",
+        feature="grpo.async_grpo.in_flight_weight_updates",
+        applies=_in_flight_updates,
     ),
     Seam(
         f"{LOGGER}:Logger.log_metrics",

@@ -1,0 +1,195 @@
+"""Which policy produced each token, when weights change while a response is being generated.
+
+Async GRPO with in-flight weight updates lands a new policy between two decode steps of running requests
+(vLLM's engine applies the update between steps and keeps the KV cache): one response's tokens then come
+from several policies. NeMo-RL records one `generation_weight_version` per trajectory, the version when
+its generation started, so its age per trajectory overstates how old the newer tokens are. BAPO's ratio
+uses the per-token behaviour log-probs and is right either way; the staleness record is what this fixes.
+
+Two halves, both free of NeMo-RL and vLLM:
+- `VersionTracker` runs beside a generation engine: it sees each request's streamed token count and each
+  weight update, and returns, per finished request, its per-token update counts as runs
+  `[[first_token_index, updates_applied], ...]`, keyed by a fingerprint of (prompt tokens, response tokens).
+- `VersionIndex` runs on the trainer's side: it joins those records with the rows of a training batch
+  (each generated segment is a maximal run of `token_mask`, its context the tokens before it): each row's
+  generated tokens as spans `[[length, update_count], ...]`, UNKNOWN (-1) where no record matches.
+
+Versions are counted in engine weight updates (0: the weights the engine loaded itself); the trainer maps
+update k to its policy version (NeMo-RL's async loop: the first update carries the resumed step's weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+UNKNOWN = -1
+
+
+def fingerprint(prompt_ids: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray) -> str:
+    """A key for one generated segment: its context and its tokens (ids as little-endian 64-bit integers,
+    so lists on an engine and tensors on the trainer give the same key)."""
+    prompt, tokens = np.asarray(prompt_ids, dtype="<i8"), np.asarray(token_ids, dtype="<i8")
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.asarray([prompt.size], dtype="<i8").tobytes())
+    digest.update(prompt.tobytes())
+    digest.update(tokens.tobytes())
+    return digest.hexdigest()
+
+
+def spans(runs: Sequence[Sequence[int]], n_tokens: int) -> list[list[int]]:
+    """Runs `[[first_index, value], ...]` over n tokens as spans `[[length, value], ...]`."""
+    ends = [start for start, _ in runs[1:]] + [n_tokens]
+    return [[min(end, n_tokens) - start, value] for (start, value), end in zip(runs, ends) if end > start]
+
+
+@dataclass
+class _Live:
+    prompt_ids: list[int]
+    seen: int = 0  # tokens streamed so far
+    runs: list[list[int]] = field(default_factory=list)
+
+
+class VersionTracker:
+    """Per-token weight-update counts for the requests of one engine.
+
+    `started(request, prompt_ids)` when a request is submitted, `streamed(request, n)` with the request's
+    cumulative token count at every streamed output, `finished(request, token_ids)` at its end. Around a
+    weight update: `update_sent()` when it is sent, then `update_applied()` once the engine uses the new
+    weights, or `update_failed()`. Every live request's boundary is the count it had streamed when the
+    update was sent: tokens the engine produced before the update but had not streamed yet are counted one
+    update newer (on vLLM: the outputs of at most the steps in transit, a few tokens per response).
+    """
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self._live: dict[str, _Live] = {}
+        self._pending: dict[str, int] | None = None
+        self._done: list[dict] = []
+
+    def started(self, request: str, prompt_ids: Sequence[int]) -> None:
+        self._live[request] = _Live(list(prompt_ids), runs=[[0, self.updates]])
+
+    def streamed(self, request: str, n_tokens: int) -> None:
+        live = self._live.get(request)
+        if live is not None:
+            live.seen = max(live.seen, n_tokens)
+
+    def finished(self, request: str, token_ids: Sequence[int]) -> None:
+        live = self._live.pop(request, None)
+        if live is None:
+            return
+        runs = [run for run in live.runs if run[0] < len(token_ids)] or [[0, live.runs[-1][1]]]
+        self._done.append({"key": fingerprint(live.prompt_ids, token_ids), "runs": _merged(runs)})
+
+    def abandoned(self, request: str) -> None:
+        self._live.pop(request, None)
+
+    def update_sent(self) -> None:
+        self._pending = {request: live.seen for request, live in self._live.items()}
+
+    def update_applied(self) -> None:
+        self.updates += 1
+        boundaries = self._pending or {}
+        for request, live in self._live.items():
+            # A request started during the update's transfer began on the old weights or the new ones: it
+            # is counted on the new (its first tokens at most one update too new).
+            live.runs.append([boundaries.get(request, 0), self.updates])
+        self._pending = None
+
+    def update_failed(self) -> None:
+        self._pending = None
+
+    def take(self) -> dict:
+        """The finished requests' records since the last take, and the updates applied so far."""
+        done, self._done = self._done, []
+        return {"updates": self.updates, "records": done}
+
+
+def _merged(runs: list[list[int]]) -> list[list[int]]:
+    """Runs with a later run at the same start replacing the earlier one, and equal neighbours merged."""
+    out: list[list[int]] = []
+    for start, value in runs:
+        if out and out[-1][0] == start:
+            out.pop()
+        if not out or out[-1][1] != value:
+            out.append([start, value])
+    return out
+
+
+class VersionIndex:
+    """The trainer's side: records from every engine, joined with training rows."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, list[list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, records: Iterable[dict]) -> None:
+        for record in records:
+            self._runs[record["key"]] = record["runs"]
+
+    def row_spans(self, input_ids: np.ndarray, token_mask: np.ndarray) -> list[list[int]]:
+        """One row's generated tokens, in order, as spans `[[length, update_count], ...]` (UNKNOWN for a
+        segment without a record). Segments are the maximal runs of `token_mask`; matched records are
+        consumed."""
+        mask = np.asarray(token_mask).astype(bool)
+        edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+        out: list[list[int]] = []
+        for start, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            runs = self._runs.pop(fingerprint(input_ids[:start], input_ids[start:end]), None)
+            for length, value in spans(runs, end - start) if runs is not None else [[end - start, UNKNOWN]]:
+                if out and out[-1][1] == value:
+                    out[-1][0] += length
+                else:
+                    out.append([length, value])
+        return out
+
+    def forget_older_than(self, oldest_update: int) -> None:
+        """Drop records whose newest tokens predate `oldest_update` (their responses will not be trained:
+        the replay buffer drops trajectories past the age limit)."""
+        self._runs = {k: r for k, r in self._runs.items() if r[-1][1] >= oldest_update}
+
+
+@dataclass(frozen=True)
+class TokenAges:
+    """Staleness of one training batch, per generated token (policy versions behind the trained one)."""
+
+    mean: float
+    max: int
+    mixed_response_frac: float  # responses whose tokens come from more than one policy
+    known_token_frac: float  # generated tokens whose version was recorded
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        return {
+            f"{prefix}token_age_mean": self.mean,
+            f"{prefix}token_age_max": float(self.max),
+            f"{prefix}mixed_version_response_frac": self.mixed_response_frac,
+            f"{prefix}token_version_known_frac": self.known_token_frac,
+        }
+
+
+def token_ages(rows: Sequence[Sequence[Sequence[int]]], trained_version: int) -> TokenAges:
+    """`rows`: each response's generated tokens as spans `[[length, policy_version], ...]` (UNKNOWN where
+    not recorded); ages are `trained_version - policy_version`, weighted by tokens."""
+    known = generated = age_sum = mixed = 0
+    oldest = 0
+    for row in rows:
+        versions = {version for length, version in row if version != UNKNOWN and length > 0}
+        mixed += len(versions) > 1
+        for length, version in row:
+            generated += length
+            if version != UNKNOWN:
+                known += length
+                age_sum += length * (trained_version - version)
+                oldest = max(oldest, trained_version - version) if length else oldest
+    return TokenAges(
+        mean=age_sum / known if known else float("nan"),
+        max=oldest,
+        mixed_response_frac=mixed / len(rows) if rows else float("nan"),
+        known_token_frac=known / generated if generated else float("nan"),
+    )

@@ -1,0 +1,249 @@
+"""Per-token policy versions under in-flight weight updates: the engine-side tracker, the trainer-side join,
+the ages, and the vLLM worker subclass around a CPU stand-in of vLLM's async engine. Expectations by hand."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bapo_nemo.nemo import token_versions as adapter
+from bapo_nemo.rollout.token_versions import (
+    UNKNOWN,
+    VersionIndex,
+    VersionTracker,
+    fingerprint,
+    spans,
+    token_ages,
+)
+
+
+def test_a_request_crossing_an_update_splits_at_the_tokens_it_had_streamed():
+    tracker = VersionTracker()
+    tracker.started("a", [1, 2])
+    tracker.streamed("a", 3)
+    tracker.update_sent()
+    tracker.streamed("a", 4)  # produced before the engine applied the update, streamed after it was sent
+    tracker.update_applied()
+    tracker.started("b", [1, 3])  # after the update: all on the new weights
+    tracker.streamed("a", 6)
+    tracker.finished("a", [5, 6, 7, 8, 9, 10])
+    tracker.streamed("b", 2)
+    tracker.finished("b", [4, 4])
+    taken = tracker.take()
+    assert taken["updates"] == 1
+    assert taken["records"] == [
+        {"key": fingerprint([1, 2], [5, 6, 7, 8, 9, 10]), "runs": [[0, 0], [3, 1]]},
+        {"key": fingerprint([1, 3], [4, 4]), "runs": [[0, 1]]},
+    ]
+    assert tracker.take() == {"updates": 1, "records": []}
+
+
+def test_a_failed_update_and_one_after_the_last_token_leave_one_version():
+    tracker = VersionTracker()
+    tracker.started("a", [1])
+    tracker.streamed("a", 2)
+    tracker.update_sent()
+    tracker.update_failed()
+    tracker.streamed("a", 3)
+    tracker.update_sent()  # the request had streamed all its tokens: its end is only not reported yet
+    tracker.update_applied()
+    tracker.finished("a", [7, 8, 9])
+    tracker.started("c", [2])
+    tracker.abandoned("c")  # a cancelled request leaves no record
+    assert tracker.take() == {
+        "updates": 1,
+        "records": [{"key": fingerprint([1], [7, 8, 9]), "runs": [[0, 0]]}],
+    }
+
+
+def test_two_updates_inside_one_response():
+    tracker = VersionTracker()
+    tracker.started("a", [9])
+    for n, update in [(2, True), (5, True), (7, False)]:
+        tracker.streamed("a", n)
+        if update:
+            tracker.update_sent()
+            tracker.update_applied()
+    tracker.finished("a", list(range(7)))
+    assert tracker.take()["records"][0]["runs"] == [[0, 0], [2, 1], [5, 2]]
+
+
+def test_spans_from_runs():
+    assert spans([[0, 4], [3, 5]], 7) == [[3, 4], [4, 5]]
+    assert spans([[0, 4]], 2) == [[2, 4]]
+
+
+def test_fingerprints_agree_between_lists_and_tensors():
+    ids = torch.tensor([5, 6, 7, 8])
+    assert fingerprint([5, 6], [7, 8]) == fingerprint(ids[:2].numpy(), ids[2:].numpy())
+    assert fingerprint([5, 6], [7, 8]) != fingerprint([5], [6, 7, 8])  # the context is part of the key
+
+
+def test_the_index_joins_records_with_a_multi_turn_row_and_consumes_them():
+    # prompt (3) | response 1 (4, crossed an update after 1 token) | env tokens (2) | response 2 (2, no record)
+    row = np.array([1, 2, 3, 10, 11, 12, 13, 4, 5, 20, 21, 0, 0])
+    mask = np.array([0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0])
+    index = VersionIndex()
+    index.add([{"key": fingerprint([1, 2, 3], [10, 11, 12, 13]), "runs": [[0, 2], [1, 3]]}])
+    assert index.row_spans(row[:11], mask[:11]) == [[1, 2], [3, 3], [2, UNKNOWN]]
+    assert len(index) == 0
+    assert index.row_spans(row[:11], mask[:11]) == [[6, UNKNOWN]]
+
+
+def test_the_index_forgets_records_too_old_to_be_trained():
+    index = VersionIndex()
+    index.add([{"key": "old", "runs": [[0, 1], [4, 2]]}, {"key": "new", "runs": [[0, 3]]}])
+    index.forget_older_than(3)
+    assert len(index) == 1
+
+
+def test_token_ages_by_hand():
+    # trained version 7: a response of 3 tokens at v5 then 2 at v6; one of 4 at v7; 1 unknown token
+    ages = token_ages([[[3, 5], [2, 6]], [[4, 7], [1, UNKNOWN]]], 7)
+    assert ages.mean == pytest.approx((3 * 2 + 2 * 1 + 4 * 0) / 9)
+    assert ages.max == 2
+    assert ages.mixed_response_frac == 0.5
+    assert ages.known_token_frac == pytest.approx(9 / 10)
+
+
+# ---- the worker subclass ----------------------------------------------------------------------------
+class CPUAsyncEngine:
+    """vLLM's `AsyncLLM`, the boundary that cannot run here: `generate` streams cumulative outputs, one
+    token per decode step; `pause_after` holds a request after that many tokens until `release()`, so a
+    test places a weight update inside a response by construction."""
+
+    def __init__(self, pause_after: int | None = None):
+        self.weights = 0
+        self.pause_after = pause_after
+        self.held = asyncio.Event()
+        self.go_on = asyncio.Event()
+        self.produced_with: dict[str, list[int]] = {}  # the weights behind each token, per request
+
+    def release(self):
+        self.go_on.set()
+
+    async def generate(self, prompt, sampling_params, request_id):
+        tokens: list[int] = []
+        made = self.produced_with.setdefault(request_id, [])
+        for i in range(sampling_params["max_tokens"]):
+            if i == self.pause_after:
+                self.held.set()
+                await self.go_on.wait()
+            tokens.append(100 + i)
+            made.append(self.weights)
+            yield SimpleNamespace(
+                request_id=request_id,
+                finished=i + 1 == sampling_params["max_tokens"],
+                outputs=[SimpleNamespace(token_ids=list(tokens))],
+            )
+            await asyncio.sleep(0)
+
+
+class StandInAsyncWorker:
+    """The shape of NeMo-RL's VllmAsyncGenerationWorkerImpl that the subclass relies on: `self.llm`, a
+    `generate_async` consuming `self.llm.generate`, async weight updates returning True once applied."""
+
+    def __init__(self, pause_after=None):
+        self.llm = CPUAsyncEngine(pause_after)
+
+    async def generate_async(self, prompt_ids, max_tokens, request_id):
+        final = None
+        async for out in self.llm.generate(
+            prompt={"prompt_token_ids": prompt_ids},
+            sampling_params={"max_tokens": max_tokens},
+            request_id=request_id,
+        ):
+            final = out
+        yield 0, final.outputs[0].token_ids
+
+    async def update_weights_from_collective_async(self):
+        self.llm.weights += 1
+        return True
+
+    async def update_weights_via_ipc_zmq_async(self):
+        return False  # a failed update: the engine keeps its weights
+
+
+def versioned_worker(pause_after=None):
+    fqn = adapter.versioned_worker_fqn(f"{__name__}.StandInAsyncWorker")
+    module, name = fqn.rsplit(".", 1)
+    assert module == adapter.__name__
+    actor = getattr(adapter, name)  # built as Ray builds it in a worker: by module and name
+    return actor.__ray_actor_class__(pause_after)
+
+
+async def _collect(worker, prompt, n, request):
+    return [item async for item in worker.generate_async(prompt, n, request)]
+
+
+def test_the_subclass_records_a_response_that_crosses_an_update():
+    async def scenario():
+        worker = versioned_worker(pause_after=3)
+        run = asyncio.ensure_future(_collect(worker, [1, 2], 5, "r1"))
+        await worker.llm.held.wait()  # 3 tokens streamed on the first weights
+        assert await worker.update_weights_via_ipc_zmq_async() is False  # failed: no boundary
+        assert await worker.update_weights_from_collective_async() is True
+        worker.llm.release()
+        await run
+        await _collect(worker, [7], 2, "r2")
+        return worker, await worker.take_token_versions()
+
+    worker, taken = asyncio.run(scenario())
+    assert worker.llm.produced_with == {"r1": [0, 0, 0, 1, 1], "r2": [1, 1]}
+    assert taken == {
+        "updates": 1,
+        "owner": True,
+        "records": [
+            {"key": fingerprint([1, 2], [100, 101, 102, 103, 104]), "runs": [[0, 0], [3, 1]]},
+            {"key": fingerprint([7], [100, 101]), "runs": [[0, 1]]},
+        ],
+    }
+
+
+def test_a_worker_without_the_engine_says_it_does_not_own_one():
+    worker = versioned_worker()
+    worker.llm = None
+    taken = asyncio.run(worker.take_token_versions())
+    assert taken == {"updates": 0, "records": [], "owner": False}
+
+
+def test_policy_versions_of_update_counts_and_the_step_metrics():
+    versions = adapter.TokenVersions(max_trajectory_age_steps=2)
+    versions.start_step, versions.refit_versions = 4, [4, 5]  # resumed at step 4: refits carried v4, v5
+    assert [versions.policy_version(c) for c in (0, 1, 2, 3)] == [UNKNOWN, 4, 5, UNKNOWN]
+    versions.trained_steps = 1  # training version 5
+    prompt, response = [1, 2], [10, 11, 12, 13]
+    versions.index.add([{"key": fingerprint(prompt, response), "runs": [[0, 0], [1, 1], [3, 2]]}])
+    data = {
+        "input_ids": torch.tensor([[1, 2, 10, 11, 12, 13, 0]]),
+        "token_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 0]]),
+        "input_lengths": torch.tensor([6]),
+    }
+    metrics = versions.step_metrics(data)
+    # 1 token from the engine's own weights (unknown), 2 from v4 (age 1), 1 from v5 (age 0)
+    assert metrics["token_frac_engine_initial_weights"] == pytest.approx(1 / 4)
+    assert metrics["token_version_known_frac"] == pytest.approx(3 / 4)
+    assert metrics["token_age_mean"] == pytest.approx(2 / 3)
+    assert metrics["token_age_max"] == 1.0
+    assert metrics["mixed_version_response_frac"] == 1.0
+
+
+def test_a_worker_that_missed_an_update_stops_the_run():
+    versions = adapter.TokenVersions(max_trajectory_age_steps=1)
+    versions.refit_versions = [0, 1]
+    record = {"key": "k", "runs": [[0, 1]]}
+    versions.add_answers(
+        [
+            {"owner": False, "updates": 0, "records": []},  # a TP rank without the engine
+            {"owner": True, "updates": 2, "records": [record]},
+        ]
+    )
+    assert len(versions.index) == 1
+    with pytest.raises(
+        adapter.TokenVersionsError, match="applied 1 weight updates where the async loop made 2"
+    ):
+        versions.add_answers([{"owner": True, "updates": 1, "records": []}])
