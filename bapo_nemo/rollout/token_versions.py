@@ -140,7 +140,7 @@ class VersionIndex:
         mask = np.asarray(token_mask).astype(bool)
         edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
         out: list[list[int]] = []
-        for start, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+        for start, end in zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()):
             runs = self._runs.pop(fingerprint(input_ids[:start], input_ids[start:end]), None)
             for length, value in spans(runs, end - start) if runs is not None else [[end - start, UNKNOWN]]:
                 if out and out[-1][1] == value:
