@@ -222,3 +222,62 @@ def test_every_weight_update_brings_the_trainers_weights(rehearsal):
             for name, value in trainer[got["policy_steps"]].items():
                 assert torch.equal(got["weights"][name], value), (engine, update, name)
     assert compared >= STEPS
+
+
+def driver_token_versions(root: Path) -> list[dict]:
+    """The driver's per-step record (bapo_nemo/nemo/token_versions.py): each run's
+    <log_dir>/token_versions.jsonl, one line per GRPO step trained, in order."""
+    lines = []
+    for path in sorted((root / "logs").glob("*/token_versions.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def per_token(spans: list[list[int]]) -> list[int]:
+    return [version for length, version in spans for _ in range(length)]
+
+
+@pytest.mark.slow
+def test_the_driver_records_each_tokens_policy_version_as_the_engine_sampled_it(rehearsal):
+    """With in-flight weight updates the driver records, per GRPO step, each trained token's policy
+    version (token_versions.jsonl, `train/token_age_*` and `train/mixed_version_response_frac`). For every
+    row of every step they are the engine's own record: the optimizer steps of the weights that sampled
+    each token, in GRPO steps (the refit after step k carries the policy of k steps). The held request's
+    versions are exact; elsewhere a token may be counted one update newer (the driver draws the boundary
+    at the tokens a request had streamed when the update was sent, bapo_nemo/rollout/token_versions.py)."""
+    import mlflow
+
+    lines = driver_token_versions(rehearsal["root"])
+    assert [line["trained_version"] for line in lines] == list(range(STEPS))
+    records = engine_records(rehearsal["record"])
+    batches = rehearsal["calls"]["train"]
+    mixed_per_step, newer = [], 0
+    for step, line in enumerate(lines):
+        rows = [(b, i) for b in batches[step * PER_ROLLOUT : (step + 1) * PER_ROLLOUT] for i in range(b.size)]
+        assert len(line["spans"]) == len(rows)
+        mixed = logged_mixed = 0
+        for (batch, i), spans in zip(rows, line["spans"]):
+            n = int(batch["input_lengths"][i])
+            ids = batch["input_ids"][i, :n].tolist()
+            start = int(batch["token_mask"][i, :n].nonzero()[0])
+            behaviour = batch["generation_logprobs"][i, start:n].tolist()
+            (request, *_) = [r for r in reversed(records) if r["context"] == ids[:start] and r["tokens"] == ids[start:]
+                              and r["logprobs"] == pytest.approx(behaviour, abs=1e-6)]
+            truth = [s // PER_ROLLOUT if u > 0 else -1 for s, u in zip(request["policy_steps"], request["updates"])]
+            got = per_token(spans)
+            assert len(got) == len(truth), (step, i)
+            if request["held"]:
+                assert got == truth, (step, i, got, truth)
+            else:
+                assert all(g in (t, t + 1) for g, t in zip(got, truth)) and got == sorted(got), (step, i, got, truth)
+                newer += sum(g != t for g, t in zip(got, truth))
+            mixed += len(set(truth)) > 1
+            logged_mixed += len({v for v in got if v != -1}) > 1
+        mixed_per_step.append((mixed, logged_mixed / len(rows)))
+    assert any(m for m, _ in mixed_per_step), "no trained response crossed a weight update"
+    client = mlflow.tracking.MlflowClient(rehearsal["assets"]["mlflow"])
+    (run,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/mixed_version_response_frac")}
+    # the metric is the recorded spans' (checked above against the engine's): responses of 2+ versions
+    assert logged == {k + 1: pytest.approx(frac) for k, (_, frac) in enumerate(mixed_per_step)}
+    print(f"tokens counted one update newer than sampled: {newer}")
