@@ -103,15 +103,37 @@ def upstream_seams(record_dir: Path, driver_calls: dict):
         yield
 
 
+@contextmanager
+def module_globals_put_back(*modules):
+    """What a driver run rebinds in these modules' globals is put back after it: each command runs in a
+    process of its own on a cluster, and the driver wraps NeMo-RL functions it finds there (e.g. grpo's
+    refit and VllmGeneration's worker class resolver for per-token versions) without undoing it."""
+    saved = [(module, dict(vars(module))) for module in modules]
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            now = vars(module)
+            for name in [n for n in now if n not in before]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name) is not value:
+                    now[name] = value
+
+
 def run_driver(config: Path, built: list) -> int:
-    """`python -m bapo_nemo.train --config CONFIG` in this process; its worker groups are shut down after
-    (upstream's Policy.__del__ would do it at interpreter exit, after Ray is gone)."""
+    """`python -m bapo_nemo.train --config CONFIG` in this process, as in a process of its own; its worker
+    groups are shut down after (upstream's Policy.__del__ would do it at interpreter exit, after Ray is
+    gone)."""
     import ray
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.models.generation.vllm import vllm_generation
 
     from bapo_nemo.nemo.driver import main
 
     try:
-        return main(["--config", str(config)])
+        with module_globals_put_back(grpo, vllm_generation):
+            return main(["--config", str(config)])
     finally:
         while built:
             built.pop().shutdown()

@@ -233,29 +233,29 @@ def driver_token_versions(root: Path) -> list[dict]:
     return lines
 
 
+UNKNOWN = -1  # the driver's version of a token without a record
+
+
 def per_token(spans: list[list[int]]) -> list[int]:
     return [version for length, version in spans for _ in range(length)]
 
 
-@pytest.mark.slow
-def test_the_driver_records_each_tokens_policy_version_as_the_engine_sampled_it(rehearsal):
-    """With in-flight weight updates the driver records, per GRPO step, each trained token's policy
-    version (token_versions.jsonl, `train/token_age_*` and `train/mixed_version_response_frac`). For every
-    row of every step they are the engine's own record: the optimizer steps of the weights that sampled
-    each token, in GRPO steps (the refit after step k carries the policy of k steps). The held request's
-    versions are exact; elsewhere a token may be counted one update newer (the driver draws the boundary
-    at the tokens a request had streamed when the update was sent, bapo_nemo/rollout/token_versions.py)."""
-    import mlflow
-
+def compare_driver_versions(rehearsal) -> dict:
+    """Each trained token's version in the driver's record against the engine's (see the test below);
+    returns per step (responses of 2+ versions by the engine, the share the driver's record says), the
+    tokens counted one update newer, and the rows left unknown because an identical response (same prompt,
+    same tokens) came before them in the step."""
     lines = driver_token_versions(rehearsal["root"])
     assert [line["trained_version"] for line in lines] == list(range(STEPS))
     records = engine_records(rehearsal["record"])
+    first_engine = records[0]["engine"]
     batches = rehearsal["calls"]["train"]
-    mixed_per_step, newer = [], 0
+    out = {"mixed": [], "newer": 0, "identical_unknown": 0}
     for step, line in enumerate(lines):
         rows = [(b, i) for b in batches[step * PER_ROLLOUT : (step + 1) * PER_ROLLOUT] for i in range(b.size)]
         assert len(line["spans"]) == len(rows)
         mixed = logged_mixed = 0
+        seen = set()
         for (batch, i), spans in zip(rows, line["spans"]):
             n = int(batch["input_lengths"][i])
             ids = batch["input_ids"][i, :n].tolist()
@@ -263,21 +263,51 @@ def test_the_driver_records_each_tokens_policy_version_as_the_engine_sampled_it(
             behaviour = batch["generation_logprobs"][i, start:n].tolist()
             (request, *_) = [r for r in reversed(records) if r["context"] == ids[:start] and r["tokens"] == ids[start:]
                               and r["logprobs"] == pytest.approx(behaviour, abs=1e-6)]
-            truth = [s // PER_ROLLOUT if u > 0 else -1 for s, u in zip(request["policy_steps"], request["updates"])]
             got = per_token(spans)
+            truth = [s // PER_ROLLOUT if u > 0 else UNKNOWN for s, u in zip(request["policy_steps"], request["updates"])]
+            mixed += len(set(truth)) > 1
+            logged_mixed += len({v for v in got if v != UNKNOWN}) > 1
             assert len(got) == len(truth), (step, i)
-            if request["held"]:
+            if (request["engine"] == first_engine) != (step < STOP_DURING_STEP):
+                # sampled before the stop, trained after it (from the checkpoint's replay buffer): the first
+                # driver's record of it is gone with that driver
+                assert got == [UNKNOWN] * len(truth), (step, i, got)
+            elif tuple(ids) in seen and got == [UNKNOWN] * len(truth):
+                out["identical_unknown"] += 1
+            elif request["held"]:
                 assert got == truth, (step, i, got, truth)
             else:
                 assert all(g in (t, t + 1) for g, t in zip(got, truth)) and got == sorted(got), (step, i, got, truth)
-                newer += sum(g != t for g, t in zip(got, truth))
-            mixed += len(set(truth)) > 1
-            logged_mixed += len({v for v in got if v != -1}) > 1
-        mixed_per_step.append((mixed, logged_mixed / len(rows)))
-    assert any(m for m, _ in mixed_per_step), "no trained response crossed a weight update"
+                out["newer"] += sum(g != t for g, t in zip(got, truth))
+            seen.add(tuple(ids))
+        out["mixed"].append((mixed, logged_mixed / len(rows)))
+    return out
+
+
+@pytest.mark.slow
+def test_the_driver_records_each_tokens_policy_version_as_the_engine_sampled_it(rehearsal):
+    """With in-flight weight updates the driver records, per GRPO step, each trained token's policy
+    version (token_versions.jsonl, `train/mixed_version_response_frac` and the token ages). Against the
+    engine's own record (the optimizer steps of the weights that sampled each token, in GRPO steps: the
+    refit after step k carries the policy of k steps): the held request's versions are exact; elsewhere a
+    token may be counted one update newer (the driver draws the boundary at the tokens a request had
+    streamed when the update was sent, bapo_nemo/rollout/token_versions.py); responses sampled before the
+    stop and trained after the resume are unknown to the second driver."""
+    import mlflow
+
+    compared = compare_driver_versions(rehearsal)
+    print(f"tokens counted one update newer than sampled: {compared['newer']}")
+    assert any(m for m, _ in compared["mixed"]), "no trained response crossed a weight update"
     client = mlflow.tracking.MlflowClient(rehearsal["assets"]["mlflow"])
     (run,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/mixed_version_response_frac")}
     # the metric is the recorded spans' (checked above against the engine's): responses of 2+ versions
-    assert logged == {k + 1: pytest.approx(frac) for k, (_, frac) in enumerate(mixed_per_step)}
-    print(f"tokens counted one update newer than sampled: {newer}")
+    assert logged == {k + 1: pytest.approx(frac) for k, (_, frac) in enumerate(compared["mixed"])}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "VersionIndex keys records by (prompt, response) and keeps one per key: of identical responses in a step "
+    "(frequent with short answers) only the first gets its versions, the others are unknown"))
+def test_identical_responses_each_get_their_versions(rehearsal):
+    assert compare_driver_versions(rehearsal)["identical_unknown"] == 0
