@@ -252,7 +252,7 @@ def compare_driver_versions(rehearsal) -> dict:
     first_engine = records[0]["engine"]
     batches = rehearsal["calls"]["train"]
     produced = Counter((r["engine"], *r["context"], -1, *r["tokens"]) for r in records)
-    out = {"mixed": [], "newer": 0, "identical_wrong": 0}
+    out = {"mixed": [], "newer": 0, "identical": 0, "identical_wrong": 0}
     for step, line in enumerate(lines):
         rows = [(b, i) for b in batches[step * PER_ROLLOUT : (step + 1) * PER_ROLLOUT] for i in range(b.size)]
         assert len(line["spans"]) == len(rows)
@@ -274,6 +274,7 @@ def compare_driver_versions(rehearsal) -> dict:
                 # driver's record of it is gone with that driver
                 assert got == [UNKNOWN] * len(truth), (step, i, got)
             elif produced[(request["engine"], *ids[:start], -1, *ids[start:])] > 1:
+                out["identical"] += 1
                 out["identical_wrong"] += got != truth
             elif request["held"]:
                 assert got == truth, (step, i, got, truth)
@@ -310,4 +311,7 @@ def test_the_driver_records_each_tokens_policy_version_as_the_engine_sampled_it(
     "VersionIndex keys records by (prompt, response) and keeps the last one per key: of identical responses "
     "(frequent with short answers) the first trained takes the last one's versions, the others are unknown"))
 def test_identical_responses_each_get_their_versions(rehearsal):
-    assert compare_driver_versions(rehearsal)["identical_wrong"] == 0
+    compared = compare_driver_versions(rehearsal)
+    if not compared["identical"]:
+        pytest.skip("no response was produced twice in this run")
+    assert compared["identical_wrong"] == 0
