@@ -64,6 +64,8 @@ HOLD = f"{2 * PROMPTS * GENERATIONS}:1"
 
 
 def async_config(root: Path, assets: dict) -> Path:
+    """bapo_32b.yaml at the sizes above, with async GRPO, in-flight weight updates and one non-colocated
+    async engine (vLLM TP 1)."""
     overrides = sized_overrides(
         root, assets, PRESET, layout=(TP, CP, DP), prompts=PROMPTS, generations=GENERATIONS,
         global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS,
@@ -123,8 +125,11 @@ def test_both_runs_finish(rehearsal):
 
 def engine_weights(record_dir: Path) -> dict[tuple[str, int], dict]:
     """(engine, update) -> {"policy_steps", "weights"}: what each weight update brought each engine."""
-    return {tuple(p.stem.rsplit("_", 1)[0:1]) + (int(p.stem.rsplit("_", 1)[1]),): torch.load(p)
-            for p in sorted((record_dir / "generation" / "weights").glob("*.pt"))}
+    received = {}
+    for path in sorted((record_dir / "generation" / "weights").glob("*.pt")):
+        engine, update = path.stem.rsplit("_", 1)
+        received[engine, int(update)] = torch.load(path)
+    return received
 
 
 @pytest.mark.slow
