@@ -466,6 +466,7 @@ class TinySampler:
         self.model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).eval()
         self.seed = seed
         self.version = 0
+        self.refits = 0  # weight loads since start: vLLM trains from dummy weights until the first one
         self.segments: list[dict[str, Any]] = []
         self.draws: dict[tuple[int, ...], int] = defaultdict(int)  # draws taken so far, per context
         self._draws_lock = threading.Lock()  # a worker may serve concurrent requests
@@ -473,6 +474,7 @@ class TinySampler:
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> bool:
         self.model.load_state_dict(weights)
         self.version = version
+        self.refits += 1
         return True
 
     @torch.no_grad()
@@ -501,7 +503,7 @@ class TinySampler:
                 if tok in stops:
                     break
             self.segments.append({"context": seq[:n_in], "tokens": seq[n_in:], "logprobs": seq_lp,
-                                  "version": self.version})
+                                  "version": self.version, "refits": self.refits})
             rows.append(seq)
             lps.append([0.0] * n_in + seq_lp)
             gen_lens.append(len(seq) - n_in)

@@ -4,6 +4,7 @@ the ages, and the vLLM worker subclass around a CPU stand-in of vLLM's async eng
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -92,6 +93,16 @@ def test_the_index_joins_records_with_a_multi_turn_row_and_consumes_them():
     assert index.row_spans(row[:11], mask[:11]) == [[1, 2], [3, 3], [2, UNKNOWN]]
     assert len(index) == 0
     assert index.row_spans(row[:11], mask[:11]) == [[6, UNKNOWN]]
+
+
+def test_identical_responses_each_take_one_record():
+    # two samples of one prompt came out identical, one before an update and one across it
+    key = fingerprint([1, 2], [7, 8, 9])
+    index = VersionIndex()
+    index.add([{"key": key, "runs": [[0, 0]]}, {"key": key, "runs": [[0, 0], [2, 1]]}])
+    row, mask = np.array([1, 2, 7, 8, 9]), np.array([0, 0, 1, 1, 1])
+    got = [index.row_spans(row, mask), index.row_spans(row, mask), index.row_spans(row, mask)]
+    assert got == [[[3, 0]], [[2, 0], [1, 1]], [[3, UNKNOWN]]]
 
 
 def test_the_index_forgets_records_too_old_to_be_trained():
@@ -211,7 +222,7 @@ def test_a_worker_without_the_engine_says_it_does_not_own_one():
     assert taken == {"updates": 0, "records": [], "owner": False}
 
 
-def test_policy_versions_of_update_counts_and_the_step_metrics():
+def test_policy_versions_of_update_counts_and_the_step_metrics(tmp_path):
     versions = adapter.TokenVersions(max_trajectory_age_steps=2)
     versions.start_step, versions.refit_versions = 4, [4, 5]  # resumed at step 4: refits carried v4, v5
     assert [versions.policy_version(c) for c in (0, 1, 2, 3)] == [UNKNOWN, 4, 5, UNKNOWN]
@@ -223,6 +234,7 @@ def test_policy_versions_of_update_counts_and_the_step_metrics():
         "token_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 0]]),
         "input_lengths": torch.tensor([6]),
     }
+    versions.record_path = tmp_path / "logs" / "token_versions.jsonl"
     metrics = versions.step_metrics(data)
     # 1 token from the engine's own weights (unknown), 2 from v4 (age 1), 1 from v5 (age 0)
     assert metrics["token_frac_engine_initial_weights"] == pytest.approx(1 / 4)
@@ -230,6 +242,8 @@ def test_policy_versions_of_update_counts_and_the_step_metrics():
     assert metrics["token_age_mean"] == pytest.approx(2 / 3)
     assert metrics["token_age_max"] == 1.0
     assert metrics["mixed_version_response_frac"] == 1.0
+    (line,) = versions.record_path.read_text().splitlines()
+    assert json.loads(line) == {"trained_version": 5, "spans": [[[1, UNKNOWN], [2, 4], [1, 5]]]}
 
 
 def test_a_worker_that_missed_an_update_stops_the_run():

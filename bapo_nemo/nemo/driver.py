@@ -200,6 +200,20 @@ def attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, part
     return hooks
 
 
+def refit_before_async_loop(policy, policy_generation, master_config) -> None:
+    """Where the installed async loop starts sampling before its first refit (v0.7.0), give the generation
+    engines the policy's weights first: they hold vLLM's dummy weights until then (installed.py)."""
+    from nemo_rl.algorithms import grpo
+
+    from bapo_nemo.nemo.installed import async_collects_before_first_refit
+
+    if master_config.policy["generation"]["colocated"]["enabled"] or not async_collects_before_first_refit():
+        return
+    print("the installed NeMo-RL's async loop starts sampling before its first refit: refitting the generation "
+          "engines with the policy's weights first (one weight transfer)")
+    grpo.refit_policy_generation(policy, policy_generation, False)  # looked up here: token_versions counts it
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)  # --help works without NeMo-RL
     wrong_tool = _embedded_config(args.config)
@@ -311,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if async_grpo is not None:
             from nemo_rl.algorithms.grpo import async_grpo_train
 
+            refit_before_async_loop(policy, policy_generation, master_config)
             watch = AsyncLoopWatch(logger, save_state_value(grpo_state, "current_step"))
             async_grpo_train(
                 policy=policy,

@@ -14,13 +14,16 @@ adapter calls these functions and reads as if there were one NeMo-RL.
 | early stop at a validation metric | none | `grpo.stop_at_validation_metric` | `grpo._validation_early_stop_message` exists |
 | `run_multi_turn_rollout` parameters | 7 | + `deduplicate_multimodal_data` | bound to the installed signature (partial_rollout.py) |
 | fused packed loss input, FP8-grown last sequence | overflows the batch width | copies the real tokens (#3182) | a probe of upstream's `_pack_input_ids` |
+| async loop: first refit | after the collector starts (its first requests sample vLLM's dummy weights) | before it starts | the order of the two calls in `async_grpo_train`'s source |
 
 Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Mapping, MutableMapping
 from contextlib import nullcontext
 from typing import Any
@@ -136,3 +139,29 @@ def packed_loss_needs_full_width() -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def async_collects_before_first_refit() -> bool:
+    """Whether the installed `async_grpo_train` starts its trajectory collector before its first refit.
+    NeMo-RL trains with vLLM's `load_format: dummy` (random weights until a refit), so there (v0.7.0) the
+    first requests sample random weights; main refits first ("Generation must hold the policy's real
+    weights before any backend starts collecting"). Read from the order of the two calls in the source."""
+    from nemo_rl.algorithms import grpo
+
+    return collects_before_refit(inspect.getsource(grpo.async_grpo_train))
+
+
+def collects_before_refit(source: str) -> bool:
+    """In `source` (a function), the first `*.start_collection.remote(...)` call comes before the first
+    `refit_policy_generation(...)`. Where either is not found, True: the driver's extra refit is then
+    harmless (one weight transfer)."""
+    first: dict[str, int] = {}
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Call):
+            callee = ast.unparse(node.func)
+            for name in ("start_collection.remote", "refit_policy_generation"):
+                if callee == name or callee.endswith("." + name):
+                    first[name] = min(first.get(name, node.lineno), node.lineno)
+    if len(first) < 2:
+        return True
+    return first["start_collection.remote"] < first["refit_policy_generation"]

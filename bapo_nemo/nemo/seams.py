@@ -81,6 +81,10 @@ def _validation_stop(config: Mapping) -> bool:
     return (config.get("grpo") or {}).get("stop_at_validation_metric") is not None
 
 
+def _async(config: Mapping) -> bool:
+    return bool(((config.get("grpo") or {}).get("async_grpo") or {}).get("enabled"))
+
+
 def _in_flight_updates(config: Mapping) -> bool:
     from bapo_nemo.nemo.token_versions import needs_token_versions
 
@@ -211,13 +215,14 @@ SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         f"{GRPO}:refit_policy_generation",
-        "module name replaced by a wrapper",
-        "nemo/token_versions.py TokenVersions.install",
-        "each refit's policy version: engine update k carried the weights of the k-th refit",
+        "module name replaced by a wrapper (in-flight updates); called before the async loop",
+        "nemo/token_versions.py TokenVersions.install, nemo/driver.py refit_before_async_loop",
+        "each refit's policy version (engine update k carried the k-th refit's weights); where the async "
+        "loop samples before its first refit (installed.py), the driver refits first",
         (Site(GRPO, "async_grpo_train", "refit_policy_generation", global_name=True, loop="async"),),
-        runtime="as above",
-        feature="grpo.async_grpo.in_flight_weight_updates",
-        applies=_in_flight_updates,
+        runtime="with in-flight updates, as above",
+        feature="grpo.async_grpo",
+        applies=_async,
     ),
     Seam(
         f"{LOGGER}:Logger.log_metrics",

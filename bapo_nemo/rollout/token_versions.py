@@ -21,6 +21,7 @@ update k to its policy version (NeMo-RL's async loop: the first update carries t
 from __future__ import annotations
 
 import hashlib
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,27 +122,38 @@ def _merged(runs: list[list[int]]) -> list[list[int]]:
 
 
 class VersionIndex:
-    """The trainer's side: records from every engine, joined with training rows."""
+    """The trainer's side: records from every engine, joined with training rows. Identical segments (GRPO
+    samples of one prompt often coincide) are kept as a multiset: each matching row takes one of them, so
+    the step's token ages are exact even where which of the identical rows got which record is not."""
 
     def __init__(self) -> None:
-        self._runs: dict[str, list[list[int]]] = {}
+        self._runs: dict[str, list[list[list[int]]]] = defaultdict(list)
 
     def __len__(self) -> int:
-        return len(self._runs)
+        return sum(len(records) for records in self._runs.values())
 
     def add(self, records: Iterable[dict]) -> None:
         for record in records:
-            self._runs[record["key"]] = record["runs"]
+            self._runs[record["key"]].append(record["runs"])
+
+    def _take(self, key: str) -> list[list[int]] | None:
+        records = self._runs.get(key)
+        if not records:
+            return None
+        runs = records.pop(0)
+        if not records:
+            del self._runs[key]
+        return runs
 
     def row_spans(self, input_ids: np.ndarray, token_mask: np.ndarray) -> list[list[int]]:
         """One row's generated tokens, in order, as spans `[[length, update_count], ...]` (UNKNOWN for a
-        segment without a record). Segments are the maximal runs of `token_mask`; matched records are
+        segment without a record). Segments are the maximal runs of `token_mask`; a matched record is
         consumed."""
         mask = np.asarray(token_mask).astype(bool)
         edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
         out: list[list[int]] = []
         for start, end in zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()):
-            runs = self._runs.pop(fingerprint(input_ids[:start], input_ids[start:end]), None)
+            runs = self._take(fingerprint(input_ids[:start], input_ids[start:end]))
             for length, value in spans(runs, end - start) if runs is not None else [[end - start, UNKNOWN]]:
                 if out and out[-1][1] == value:
                     out[-1][0] += length
@@ -152,7 +164,10 @@ class VersionIndex:
     def forget_older_than(self, oldest_update: int) -> None:
         """Drop records whose newest tokens predate `oldest_update` (their responses will not be trained:
         the replay buffer drops trajectories past the age limit)."""
-        self._runs = {k: r for k, r in self._runs.items() if r[-1][1] >= oldest_update}
+        for key in list(self._runs):
+            self._runs[key] = [r for r in self._runs[key] if r[-1][1] >= oldest_update]
+            if not self._runs[key]:
+                del self._runs[key]
 
 
 @dataclass(frozen=True)
