@@ -25,8 +25,6 @@ SIGUSR1 during step 3 stops the first after its checkpoint, the same command res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -39,10 +37,11 @@ from tests.test_nemo_megatron_rehearsal import (
     bapo_options,
     check_bounds_of_every_step,
     check_workers_resumed_from_their_save,
-    load_rehearsal,
     of_kind,
     optimizer_steps,
     policy_records,
+    rehearsal_assets,
+    run_rehearsal,
     sized_overrides,
     weights_of,
 )
@@ -83,31 +82,15 @@ def async_config(root: Path, assets: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    from tests.nemo_vllm_standins import write_answer_jsonl, write_rehearsal_model
-
     root = tmp_path_factory.mktemp("async_rehearsal")
-    assets = {
-        "model": write_rehearsal_model(root / "tiny_lm", positions=SEQUENCE),
-        "train": write_answer_jsonl(root / "train.jsonl", 256),
-        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
-    }
+    assets = rehearsal_assets(root)
     config = async_config(root, assets)
     spec = {
-        "config": str(config), "root": str(root), "hold": HOLD,
+        "hold": HOLD,
         "stop_at": (STOP_DURING_STEP - 1) * PER_ROLLOUT + 1,  # the stop step's first train()
         "num_gpus": TP * CP * DP + GENERATION_GPUS,
     }
-    (root / "spec.json").write_text(json.dumps(spec))
-    log = root / "driver.log"
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_rehearsal_run", str(root / "spec.json")],
-                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)
-    assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
-    summary = json.loads((root / "runs.json").read_text())
-    (root / "rehearsal.json").write_text(json.dumps({
-        **summary, "info": {}, "config": str(config), "assets": {k: str(v) for k, v in assets.items()},
-    }))
-    return load_rehearsal(root)
+    return run_rehearsal(root, assets, config, {}, spec, RUN_GUARD_S)
 
 
 def engine_records(record_dir: Path) -> list[dict]:

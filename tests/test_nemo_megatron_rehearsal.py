@@ -289,25 +289,35 @@ def test_the_rehearsal_config_changes_only_sizes(tmp_path):
 def rehearsal(tmp_path_factory):
     """Both driver runs (in a process of their own: tests/nemo_megatron_rehearsal_run.py says why);
     returns where everything was recorded."""
+    root = tmp_path_factory.mktemp("rehearsal")
+    assets = rehearsal_assets(root)
+    config, info = rehearsal_config(root, assets)
+    spec = {
+        "stop_at": (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1,  # the stop step's first train()
+        "num_gpus": TP * CP * DP,
+    }
+    return run_rehearsal(root, assets, config, info, spec, RUN_GUARD_S)
+
+
+def rehearsal_assets(root: Path) -> dict:
+    """The tiny LM (warm-started), the training prompts and the MLflow store a rehearsal runs on."""
     from tests.nemo_vllm_standins import write_answer_jsonl, write_rehearsal_model
 
-    root = tmp_path_factory.mktemp("rehearsal")
-    assets = {
+    return {
         "model": write_rehearsal_model(root / "tiny_lm", positions=SEQUENCE),
         "train": write_answer_jsonl(root / "train.jsonl", 256),
         "mlflow": f"sqlite:///{root / 'mlflow.db'}",
     }
-    config, info = rehearsal_config(root, assets)
-    spec = {
-        "config": str(config), "root": str(root),
-        "stop_at": (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1,  # the stop step's first train()
-        "num_gpus": TP * CP * DP,
-    }
-    (root / "spec.json").write_text(json.dumps(spec))
+
+
+def run_rehearsal(root: Path, assets: dict, config: Path, info: dict, spec: dict, guard_s: float) -> dict:
+    """`spec`'s two driver runs on `config` (tests/nemo_megatron_rehearsal_run.py, in a process of its own);
+    their record, as load_rehearsal reads it."""
+    (root / "spec.json").write_text(json.dumps({"config": str(config), "root": str(root), **spec}))
     log = root / "driver.log"
     with log.open("w") as out:
         done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_rehearsal_run", str(root / "spec.json")],
-                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)
+                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=guard_s, check=False)
     assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
     summary = json.loads((root / "runs.json").read_text())
     (root / "rehearsal.json").write_text(json.dumps({
