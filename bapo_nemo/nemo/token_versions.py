@@ -243,8 +243,8 @@ class TokenVersions:
 
     def policy_version(self, update_count: int) -> int:
         """An engine's update count -> the policy version its weights were. 0 updates: the weights the engine
-        loaded itself (NeMo-RL trains with vLLM's load_format "dummy": random weights, not a policy), which
-        v0.7.0's async loop samples from until its first refit (it starts collecting before it)."""
+        loaded itself (NeMo-RL trains with vLLM's load_format "dummy": random weights, not a policy); the
+        driver refits before v0.7.0's loop, which would otherwise sample them until its first refit."""
         if 1 <= update_count <= len(self.refit_versions):
             return self.refit_versions[update_count - 1]
         return UNKNOWN

@@ -179,12 +179,12 @@ class TokenAges:
     mixed_response_frac: float  # responses whose tokens come from more than one policy
     known_token_frac: float  # generated tokens whose version was recorded
 
-    def metrics(self, prefix: str = "") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         return {
-            f"{prefix}token_age_mean": self.mean,
-            f"{prefix}token_age_max": float(self.max),
-            f"{prefix}mixed_version_response_frac": self.mixed_response_frac,
-            f"{prefix}token_version_known_frac": self.known_token_frac,
+            "token_age_mean": self.mean,
+            "token_age_max": float(self.max),
+            "mixed_version_response_frac": self.mixed_response_frac,
+            "token_version_known_frac": self.known_token_frac,
         }
 
 
