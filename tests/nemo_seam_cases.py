@@ -84,6 +84,11 @@ CASES = {
         "_pack_input_ids", "algorithms/loss/utils.py", "prepare_packed_loss_input", "_pack_input_ids(",
         "packing._pack_input_ids(", refuses=False,
     ),
+    "Policy trains through another worker group attribute": Case(
+        "RayWorkerGroup.workers", "models/policy/lm_policy.py", "Policy.train",
+        "self.worker_group.run_all_workers_sharded_data(", "self.train_group.run_all_workers_sharded_data(",
+        refuses=False,
+    ),
     "VllmGeneration resolves its worker class through a module": Case(
         "resolve_generation_worker_cls", f"{VLLM}/vllm_generation.py", "VllmGeneration.__init__",
         "= resolve_generation_worker_cls(", "= vllm_utils.resolve_generation_worker_cls(", tuple(IN_FLIGHT),

@@ -100,3 +100,15 @@ def test_a_probe_off_the_call_path_keeps_the_packing_guard_on_and_says_so(result
     (line,) = run["stderr"].strip().splitlines()
     assert line.startswith("warning: NeMo-RL ") and "the packing-width guard stays on" in line
     assert "prepare_packed_loss_input no longer calls _pack_input_ids(...) as a module global" in line
+
+
+def test_worker_groups_off_the_call_path_leave_the_run_without_its_worker_watch_and_say_so(results):
+    """The worker watch (nemo/worker_watch.py) reads the policy's `worker_group`: where Policy.train no
+    longer goes through it, the watch would watch other workers than the ones training. The run goes on
+    without it (a lost worker is then seen when Ray or a collective times out), with a warning naming why."""
+    run = results["Policy trains through another worker group attribute"]
+    assert run["applied"]
+    assert run["off_path"] == ["nemo_rl.distributed.worker_groups:RayWorkerGroup.workers"]
+    (line,) = run["stderr"].strip().splitlines()
+    assert line.startswith("warning: NeMo-RL ") and "no watch: a lost worker is seen when Ray" in line
+    assert "Policy.train no longer reads self.worker_group.run_all_workers_sharded_data" in line

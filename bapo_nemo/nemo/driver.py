@@ -239,10 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     from bapo_nemo.nemo.deadline import apply_job_deadline
     from bapo_nemo.nemo.installed import async_settings, checkpointer_scope, save_state_value
     from bapo_nemo.nemo.packing import install_packed_width_guard
-    from bapo_nemo.nemo.seams import SeamError
+    from bapo_nemo.nemo.seams import WORKER_WATCH, SeamError
     from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
     from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
     from bapo_nemo.nemo.token_versions import TokenVersions, needs_token_versions
+    from bapo_nemo.nemo.worker_watch import (
+        FailureReport,
+        RunFailure,
+        StepCounter,
+        WorkerWatch,
+        group_workers,
+        newest_checkpoint_text,
+        resumed_step,
+    )
     from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
 
     config = load_config(args, overrides)
@@ -320,8 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 
+    # A lost worker ends the run at once with one line (worker_watch.py); outermost, so that the line
+    # names the checkpoint main's background finalisation completed on the way out.
+    steps = StepCounter(resumed_step(grpo_state))
+    policy.train = steps.wrap(policy.train)
+    workers = [] if WORKER_WATCH in off_path else (
+        group_workers("policy worker", policy) + group_workers("generation worker", policy_generation))
+    report = FailureReport(newest_checkpoint_text(master_config.checkpointing))
     async_grpo = async_settings(master_config)
-    with checkpointer_scope(checkpointer):  # main: flushes the background finalisation on the way out
+    with (
+        WorkerWatch(workers, steps, report) as worker_watch,
+        RunFailure(workers, worker_watch, steps, report),
+        checkpointer_scope(checkpointer),  # main: flushes the background finalisation on the way out
+    ):
         if async_grpo is not None:
             from nemo_rl.algorithms.grpo import async_grpo_train
 

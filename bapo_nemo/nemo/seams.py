@@ -34,6 +34,9 @@ LOSS_UTILS = "nemo_rl.algorithms.loss.utils"
 PACKED_LOSS_PROBE = f"{LOSS_UTILS}:_pack_input_ids"
 VLLM_GENERATION = "nemo_rl.models.generation.vllm.vllm_generation"
 VLLM_ASYNC_WORKER = "nemo_rl.models.generation.vllm.vllm_worker_async"
+WORKER_GROUPS = "nemo_rl.distributed.worker_groups"
+LM_POLICY = "nemo_rl.models.policy.lm_policy"
+WORKER_WATCH = f"{WORKER_GROUPS}:RayWorkerGroup.workers"
 
 
 class SeamError(RuntimeError):
@@ -256,6 +259,22 @@ SEAMS: tuple[Seam, ...] = (
             Site(LOGGER, "MLflowLogger.log_metrics", "flatten_dict"),
             Site(LOGGER, "MLflowLogger.log_metrics", "_summarize_list"),
         ),
+    ),
+    Seam(
+        WORKER_WATCH,
+        "public properties read; Ray's ActorHandle._actor_id (private) read",
+        "nemo/worker_watch.py group_workers, RunFailure",
+        "a lost policy or generation worker ends the run at once with one line naming it (a dead rank's peers "
+        "wait in a collective, the driver in ray.get); Ray's ActorDiedError names the actor by that id",
+        (
+            Site(WORKER_GROUPS, "RayWorkerGroup.workers", "self._workers"),
+            Site(WORKER_GROUPS, "RayWorkerGroup.worker_metadata", "self._worker_metadata"),
+            Site(LM_POLICY, "Policy.train", "self.worker_group.run_all_workers_sharded_data"),
+            Site(VLLM_GENERATION, "VllmGeneration.generate", "self.worker_group.run_all_workers_sharded_data"),
+        ),
+        runtime="none needed: a handle without _actor_id only makes the line say 'a Ray worker of this run' "
+        "instead of its rank (tests/test_nemo_worker_watch.py checks Ray's handles and errors against each other)",
+        fallback="no watch: a lost worker is seen when Ray or a collective times out (minutes), not at once",
     ),
     Seam(
         PACKED_LOSS_PROBE,

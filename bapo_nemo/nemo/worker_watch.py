@@ -1,0 +1,234 @@
+"""A lost Ray worker ends the run at once, with one line naming it, the step and the checkpoint to resume.
+
+Why a watch: when one rank of a Megatron policy worker group dies in the middle of `train()`, the other
+ranks wait for it in a collective, and NeMo-RL's driver waits in `ray.get` on all of their results, a live
+(blocked) rank's first: nothing raises until a collective or keep-alive timeout (on CPU with NeMo-RL
+v0.7.0 the driver waited 481 s; NCCL's default is 30 minutes, on 64 GPUs). A generation worker's death
+raises at once in `ray.get`, as Ray's `ActorDiedError`, with a traceback that names only an actor id.
+
+`WorkerWatch` keeps one `__ray_ready__` call pending per worker of the run's worker groups (`Policy` and
+`VllmGeneration`: `worker_group.workers` and `.worker_metadata`, upstream's public properties). Ray fails
+that call with `ActorDiedError` as soon as the worker's process is gone, busy or not; an answered call is
+sent again at the next poll. On a death the watch interrupts the driver's main thread (`KeyboardInterrupt`
+where it waits in `ray.get`), and `RunFailure` turns that, or Ray's own error, into one line and exit code
+`WORKER_LOST_EXIT`. Exiting is what frees the other ranks: Ray ends a driver's actors with it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+POLL_S = 2.0
+# How long the main thread gets to unwind after the interrupt before the watch ends the process itself
+# (a main thread inside a C call that never checks for signals).
+UNWIND_GRACE_S = 60.0
+WORKER_LOST_EXIT = 75  # EX_TEMPFAIL: the run resumes from its checkpoint once the cluster is whole
+
+
+@dataclass(frozen=True, eq=False)
+class Worker:
+    """One Ray actor of the run and how a user names it."""
+
+    kind: str  # "policy worker", "generation worker"
+    rank: int
+    of: int
+    node: int | None
+    handle: Any
+
+    def name(self) -> str:
+        node = f" on node {self.node}" if self.node is not None else ""
+        return f"{self.kind} {self.rank} of {self.of}{node}"
+
+
+def group_workers(kind: str, owner: Any) -> list[Worker]:
+    """The workers of `owner.worker_group` (a NeMo-RL Policy or VllmGeneration), by global rank."""
+    group = getattr(owner, "worker_group", None)
+    if group is None:
+        return []
+    handles, metadata = list(group.workers), list(group.worker_metadata)
+    return [Worker(kind, int(meta.get("global_rank", i)), len(handles), meta.get("node_idx"), handle)
+            for i, (handle, meta) in enumerate(zip(handles, metadata))]
+
+
+class StepCounter:
+    """The step a run is in: the step of the checkpoint it resumed from plus the `policy.train` calls
+    finished since (one per GRPO step, sync and async)."""
+
+    def __init__(self, resumed_step: int):
+        self.done = int(resumed_step)
+
+    def wrap(self, train: Callable) -> Callable:
+        def counted_train(*args, **kwargs):
+            result = train(*args, **kwargs)
+            self.done += 1
+            return result
+
+        return counted_train
+
+    @property
+    def current(self) -> int:
+        return self.done + 1
+
+
+@dataclass
+class Death:
+    worker: Worker | None
+    cause: str
+    step: int
+
+
+class FailureReport:
+    """The one line a lost worker ends the run with."""
+
+    def __init__(self, newest_checkpoint: Callable[[], str]):
+        self.newest_checkpoint = newest_checkpoint  # read when the line is written
+
+    def line(self, death: Death) -> str:
+        who = death.worker.name() if death.worker is not None else "a Ray worker of this run"
+        return (f"error: {who} died during step {death.step} ({death.cause}); newest complete checkpoint: "
+                f"{self.newest_checkpoint()}. Rerun the same command to resume from it (a requeue does) once "
+                "the node is back or replaced")
+
+
+class WorkerWatch:
+    """Polls every worker's liveness on a daemon thread; see the module docstring."""
+
+    def __init__(self, workers: Iterable[Worker], steps: StepCounter, report: FailureReport,
+                 poll_s: float = POLL_S, grace_s: float = UNWIND_GRACE_S):
+        self.workers, self.steps, self.report = list(workers), steps, report
+        self.poll_s, self.grace_s = poll_s, grace_s
+        self.death: Death | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bapo-worker-watch", daemon=True)
+
+    def __enter__(self) -> WorkerWatch:
+        if self.workers:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.poll_s + 5)
+
+    def _run(self) -> None:
+        import ray
+
+        pending: dict[Any, Worker] = {}
+        while not self._stop.is_set():
+            watched = set(pending.values())
+            for worker in self.workers:
+                if worker not in watched:
+                    pending[worker.handle.__ray_ready__.remote()] = worker
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            for ref in ready:
+                worker = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - a failed liveness call is a lost worker
+                    if not self._stop.is_set():  # not the run's own shutdown
+                        self._lost(Death(worker, death_cause(exc), self.steps.current))
+                    return
+            self._stop.wait(self.poll_s)
+
+    def _lost(self, death: Death) -> None:
+        self.death = death
+        _thread.interrupt_main()  # KeyboardInterrupt where the driver waits; RunFailure says the line
+        if self._stop.wait(self.grace_s):
+            return
+        # The main thread did not unwind: say it here and end (Ray then ends this driver's actors).
+        print(self.report.line(death), file=sys.stderr, flush=True)
+        os._exit(WORKER_LOST_EXIT)
+
+
+def death_cause(exc: BaseException) -> str:
+    """What Ray says about a dead actor, in a clause: its pid and host, and how its process ended."""
+    text = str(exc)
+    pid, ip = re.search(r"^\s*pid: (\d+)", text, re.M), re.search(r"^\s*ip: (\S+)", text, re.M)
+    exit_type = re.search(r"Worker exit type: (\S+)(?: Worker exit detail: ([^.]*))?", text)
+    where = f"pid {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "") if pid else ""
+    if exit_type:
+        how = f"its process ended: {exit_type.group(1)}" + (f", {exit_type.group(2)}" if exit_type.group(2) else "")
+    else:
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        how = first.rstrip(".")[:200]
+    return f"{where}, {how}" if where else how
+
+
+class RunFailure:
+    """`with RunFailure(...)` around the train loop: a lost worker (seen by the watch, or raised by Ray in
+    the driver) becomes one line on stderr and `SystemExit(WORKER_LOST_EXIT)`; any other exception goes on
+    with its traceback."""
+
+    def __init__(self, workers: list[Worker], watch: WorkerWatch, steps: StepCounter, report: FailureReport):
+        self.workers, self.watch, self.steps, self.report = workers, watch, steps, report
+
+    def death_from(self, exc: BaseException) -> Death | None:
+        if self.watch.death is not None:
+            return self.watch.death
+        from ray.exceptions import RayActorError
+
+        actor_error = _in_chain(exc, RayActorError)
+        if actor_error is None:
+            return None
+        worker = next((w for w in self.workers if _actor_id(w.handle) == actor_error.actor_id), None)
+        return Death(worker, death_cause(actor_error), self.steps.current)
+
+    def __enter__(self) -> RunFailure:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        death = self.death_from(exc)
+        if death is None:
+            return False
+        print(self.report.line(death), file=sys.stderr, flush=True)
+        raise SystemExit(WORKER_LOST_EXIT) from None
+
+
+def _in_chain(exc: BaseException | None, cls: type) -> BaseException | None:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, cls):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _actor_id(handle: Any) -> str | None:
+    actor_id = getattr(handle, "_actor_id", None)  # ActorHandle's ActorID; Ray's errors give its hex()
+    return actor_id.hex() if actor_id is not None else None
+
+
+def resumed_step(grpo_state: Any) -> int:
+    """The step of the checkpoint setup() restored (0 for a fresh run): the sync loop counts
+    `total_steps`, the async loop `current_step`."""
+    from bapo_nemo.nemo.installed import save_state_value
+
+    return max(int(save_state_value(grpo_state, "total_steps") or 0),
+               int(save_state_value(grpo_state, "current_step") or 0))
+
+
+def newest_checkpoint_text(checkpointing: Any) -> Callable[[], str]:
+    """What a failure line says about the checkpoint a rerun resumes from, read when the line is written."""
+    checkpoint_dir = checkpointing.get("checkpoint_dir") if checkpointing.get("enabled") else None
+
+    def text() -> str:
+        if checkpoint_dir is None:
+            return "none (checkpointing is off: a rerun starts over)"
+        from bapo_nemo.nemo.checkpoint_integrity import newest_intact
+
+        newest, _damaged = newest_intact(Path(checkpoint_dir))
+        return str(newest) if newest is not None else f"none in {checkpoint_dir} (a rerun starts over)"
+
+    return text
