@@ -5,7 +5,9 @@ How it plugs in (no fork): `install_partial_rollouts(master_config)` is called b
 workers read it as vLLM's `max_tokens`) and replaces the module-level name
 `nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper. After `setup()` the driver calls
 `hook.attach(policy, checkpoint_hooks)`: `policy.train` then counts policy versions and every checkpoint gets a
-`partial_rollouts.json` with the in-flight segments (NeMo-RL issue #3594 is the upstream gap).
+`partial_rollouts.json` with the in-flight segments (NeMo-RL issue #3594 is the upstream gap), and each
+segment iteration appends a line to `<checkpoint_dir>/partial_rollouts_ledger.jsonl`, from which a resume
+counts what an earlier attempt generated after its checkpoint (`bapo_nemo.rollout.ledger`).
 
 Each time grpo_train asks for rollouts of a step's batch (P prompts x G samples, `repeat_interleave`d):
   1. the P prompts (whole dataloader rows, JSON-encoded) are queued in our `PartialRolloutManager`;
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
+from bapo_nemo.nemo.prefill import PrefillDataloader
 from bapo_nemo.nemo.segment_io import (
     PartialRolloutSetupError,
     ReplayGeneration,
@@ -65,6 +68,7 @@ from bapo_nemo.rollout import (
 from bapo_nemo.rollout.balance import balanced_order
 from bapo_nemo.rollout.config import check_partial_rollout_config
 from bapo_nemo.rollout.config import config_get as _get
+from bapo_nemo.rollout.ledger import LEDGER_FILE, GenerationLedger, iteration_counts
 
 STATE_FILE = "partial_rollouts.json"
 HOOK_STATE_FORMAT_VERSION = 1
@@ -98,6 +102,8 @@ class PartialRolloutHook:
         self.stop_strings: list[str] = []
         self._in_validation = False
         self.checkpoints: CheckpointHooks | None = None  # set by attach(): its check runs before each rollout
+        self.ledger: GenerationLedger | None = None  # with checkpoints: what each segment iteration generated
+        self.resume_metrics: dict[str, float] = {}  # what a resume regenerates, logged with the first step
         self._restore: list[Callable[[], None]] = []
 
     # ---- the wrapped grpo names ------------------------------------------------------------------------
@@ -168,6 +174,8 @@ class PartialRolloutHook:
         if self.config.stale_segments == "exclude":
             self.apply_exclusion(final_batch, rollouts)
         metrics.update(self.manager.stats(self.policy_version))
+        metrics.update(self.resume_metrics)
+        self.resume_metrics = {}
         metrics["rollout/segment_iterations"] = float(iterations)
         metrics["rollout/policy_version"] = float(self.policy_version)
         return final_batch, metrics
@@ -255,9 +263,14 @@ class PartialRolloutHook:
         complete groups wait."""
         iterations = 0
         while iterations == 0 or self.manager.num_completed < num_groups:
+            before = self.manager.stats(self.policy_version)
             self.manager.run_iteration(generate_fn, self.policy_version, max_groups=0)
             iterations += 1
-            idle = self.manager.stats(self.policy_version)["rollout/sequences_last_iteration"] == 0
+            after = self.manager.stats(self.policy_version)
+            if self.ledger is not None:  # the step this generates for: completed trains + 1
+                counts = iteration_counts(before, after, self.group_size)
+                self.ledger.record(self.policy_version + 1, self.policy_version, **counts)
+            idle = after["rollout/sequences_last_iteration"] == 0
             if idle and self.manager.num_completed < num_groups:
                 raise RuntimeError(
                     f"partial rollouts cannot complete {num_groups} prompt groups: nothing is left to generate "
@@ -320,7 +333,8 @@ class PartialRolloutHook:
     # ---- versions and checkpoints -----------------------------------------------------------------------
     def attach(self, policy: Any = None, checkpoints: CheckpointHooks | None = None) -> PartialRolloutHook:
         """Count policy versions on `policy.train`; write the in-flight state into every checkpoint through
-        `checkpoints` (and restore it from the newest one)."""
+        `checkpoints` (and restore it from the newest one); keep the generation ledger next to the
+        checkpoints and count what this resume generates again."""
         if policy is not None:
             train = policy.train
 
@@ -343,6 +357,11 @@ class PartialRolloutHook:
                         f"checkpoint {latest} has no {STATE_FILE}: partial rollouts start with nothing in flight",
                         stacklevel=2,
                     )
+            self.ledger = GenerationLedger(checkpoints.checkpoint_dir / LEDGER_FILE)
+            regenerated = self.ledger.resume(0 if latest is None else int(Path(latest).name.split("_")[1]))
+            if regenerated is not None:
+                print(regenerated.line(), flush=True)
+                self.resume_metrics = regenerated.metrics()
         return self
 
     def state_dict(self) -> dict:
@@ -397,40 +416,6 @@ class PartialRolloutHook:
         """Undo every patch (grpo module names, policy.train)."""
         while self._restore:
             self._restore.pop()()
-
-
-class PrefillDataloader:
-    """Wraps grpo_train's StatefulDataLoader. Partial rollouts only carry responses over when more prompt
-    groups are in flight than a step trains on; grpo_train hands the hook exactly one step's prompts, so
-    before the first step this wrapper moves `prefill_batches` extra batches into the pool (once per run:
-    the flag is checkpointed). Those batches are trained on through the pool, so the first epoch yields
-    `prefill_batches` fewer steps, and `len()` says so during that epoch (grpo_train's last-step test,
-    which triggers the final validation and checkpoint, compares with it). The pool then stays at
-    (prefill_batches + 1) * num_prompts_per_step groups. Everything else (state_dict, load_state_dict,
-    ...) is the wrapped loader's."""
-
-    def __init__(self, dataloader: Any, hook: PartialRolloutHook):
-        self.dataloader, self.hook = dataloader, hook
-
-    def __iter__(self):
-        iterator = iter(self.dataloader)
-        hook = self.hook
-        if not hook.prefilled:
-            for _ in range(hook.prefill_batches):
-                batch = next(iterator, None)
-                if batch is None:
-                    break
-                hook.admit_batch(batch, stride=1)
-                hook.prefilled_batches += 1
-            hook.prefilled = True
-        yield from iterator
-        hook.prefilled_batches = 0  # the shortened epoch is over
-
-    def __len__(self) -> int:
-        return len(self.dataloader) - self.hook.prefilled_batches
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.dataloader, name)
 
 
 def _batch_class() -> Callable[[dict], Any]:
