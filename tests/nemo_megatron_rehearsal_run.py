@@ -121,10 +121,10 @@ def module_globals_put_back(*modules):
                     now[name] = value
 
 
-def run_driver(config: Path, built: list) -> int:
-    """`python -m bapo_nemo.train --config CONFIG` in this process, as in a process of its own; its worker
-    groups are shut down after (upstream's Policy.__del__ would do it at interpreter exit, after Ray is
-    gone)."""
+def run_driver(config: Path, built: list, overrides: tuple[str, ...] | list[str] = ()) -> int:
+    """`python -m bapo_nemo.train --config CONFIG [OVERRIDES]` in this process, as in a process of its own;
+    its worker groups are shut down after (upstream's Policy.__del__ would do it at interpreter exit, after
+    Ray is gone)."""
     import ray
     from nemo_rl.algorithms import grpo
     from nemo_rl.models.generation.vllm import vllm_generation
@@ -133,7 +133,7 @@ def run_driver(config: Path, built: list) -> int:
 
     try:
         with module_globals_put_back(grpo, vllm_generation):
-            return main(["--config", str(config)])
+            return main(["--config", str(config), *overrides])
     finally:
         while built:
             built.pop().shutdown()

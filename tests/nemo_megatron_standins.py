@@ -76,6 +76,7 @@ from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 from nemo_rl.utils.timer import Timer
 
+from tests.nemo_faults import FaultInTheMiddle, reached
 from tests.nemo_vllm_standins import (
     FFN,
     HIDDEN,
@@ -428,6 +429,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
 
     # -- instrumentation around upstream's methods (they run unchanged inside) -------------------------
     def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, check_dim_skip_keys=None):
+        loss_fn = FaultInTheMiddle(loss_fn, torch.distributed.get_rank())  # tests/nemo_faults.py
         if self.recorder:
             loss_fn = self.recorder.loss_recorder(loss_fn)
         result = super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
@@ -445,6 +447,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
         return result
 
     def save_checkpoint(self, weights_path, optimizer_path=None, **kwargs):
+        reached("policy.save_checkpoint", torch.distributed.get_rank())  # tests/nemo_faults.py
         super().save_checkpoint(weights_path, optimizer_path=optimizer_path, **kwargs)
         if self.recorder:
             # an asynchronous save is still being written when save_checkpoint returns (finalize_async_save

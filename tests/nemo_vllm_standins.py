@@ -45,6 +45,8 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.nemo_faults import reached
+
 WEIGHTS_FILE = "tiny_lm.safetensors"
 SHAPE_FILE = "tiny_lm.json"
 HIDDEN, FFN = 32, 64
@@ -340,6 +342,7 @@ class CPUVllmGenerationWorkerImpl(TinyLMGenerationWorker):
             logprobs.append(lps)
             self.sampled.append({"context": prompt, "tokens": seq[len(prompt) :], "logprobs": lps,
                                  "policy_steps": self.policy_steps})
+            reached("generation.generate", self.seed)  # tests/nemo_faults.py: mid-batch
         # VllmGenerationWorker.generate's layout: input padding kept, responses after each prompt.
         max_length = max((len(g) for g in generated), default=0)
         total = input_ids.shape[1] + max_length

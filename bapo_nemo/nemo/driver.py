@@ -200,6 +200,23 @@ def attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, part
     return hooks
 
 
+DISK_FULL_EXIT = 74  # EX_IOERR: a requeue would fail the same way until space is freed
+
+
+def disk_full_explainer(checkpointing, checkpointer):
+    """A checkpoint save that failed for lack of space, as one line (checkpoint_integrity.py)."""
+    from bapo_nemo.nemo.checkpoint_integrity import disk_full_line, no_space_left
+
+    directory = checkpointing["checkpoint_dir"]
+
+    def explain(exc: BaseException):
+        if not no_space_left(exc, directory):
+            return None
+        return disk_full_line(directory, checkpointer), DISK_FULL_EXIT
+
+    return explain
+
+
 def refit_before_async_loop(policy, policy_generation, master_config) -> None:
     """Where the installed async loop starts sampling before its first refit (v0.7.0), give the generation
     engines the policy's weights first: they hold vLLM's dummy weights until then (installed.py)."""
@@ -236,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl.utils.logger import get_next_experiment_dir
 
     from bapo_nemo.nemo.async_end import AsyncLoopWatch
+    from bapo_nemo.nemo.checkpoint_integrity import patch_grpo_checkpoint_manager
     from bapo_nemo.nemo.deadline import apply_job_deadline
     from bapo_nemo.nemo.installed import async_settings, checkpointer_scope, save_state_value
     from bapo_nemo.nemo.packing import install_packed_width_guard
@@ -272,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)"
         )
     patch_grpo_timeout_checker(grpo_module)  # SIGUSR1 (Slurm's pre-timeout signal): checkpoint, then stop
+    patch_grpo_checkpoint_manager(grpo_module)  # resume from the newest intact checkpoint, never a damaged one
 
     init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
     tokenizer = get_tokenizer(master_config.policy["tokenizer"])
@@ -336,10 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     workers = [] if WORKER_WATCH in off_path else (
         group_workers("policy worker", policy) + group_workers("generation worker", policy_generation))
     report = FailureReport(newest_checkpoint_text(master_config.checkpointing))
+    explainers = [disk_full_explainer(master_config.checkpointing, checkpointer)] if checkpointing else []
     async_grpo = async_settings(master_config)
     with (
         WorkerWatch(workers, steps, report) as worker_watch,
-        RunFailure(workers, worker_watch, steps, report),
+        RunFailure(workers, worker_watch, steps, report, explainers),
         checkpointer_scope(checkpointer),  # main: flushes the background finalisation on the way out
     ):
         if async_grpo is not None:

@@ -56,7 +56,9 @@ def signal_aware(timeout_checker_cls: type) -> type:
 
 
 def patch_grpo_timeout_checker(grpo_module) -> None:
-    """Install the handler and the signal-aware checker into `nemo_rl.algorithms.grpo`."""
+    """Install the handler and the signal-aware checker into `nemo_rl.algorithms.grpo` (a run starts with
+    no stop asked for: a signal before this would have ended the process)."""
     install_stop_signal()
+    _requested.clear()
     _early_stop.clear()
     grpo_module.TimeoutChecker = signal_aware(grpo_module.TimeoutChecker)

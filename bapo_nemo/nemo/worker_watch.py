@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 POLL_S = 2.0
 # How long the main thread gets to unwind after the interrupt before the watch ends the process itself
@@ -109,7 +109,7 @@ class WorkerWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bapo-worker-watch", daemon=True)
 
-    def __enter__(self) -> WorkerWatch:
+    def __enter__(self) -> Self:
         if self.workers:
             self._thread.start()
         return self
@@ -152,7 +152,7 @@ class WorkerWatch:
 def death_cause(exc: BaseException) -> str:
     """What Ray says about a dead actor, in a clause: its pid and host, and how its process ended."""
     text = str(exc)
-    pid, ip = re.search(r"^\s*pid: (\d+)", text, re.M), re.search(r"^\s*ip: (\S+)", text, re.M)
+    pid, ip = re.search(r"^\s*pid: (\d+)", text, re.MULTILINE), re.search(r"^\s*ip: (\S+)", text, re.MULTILINE)
     exit_type = re.search(r"Worker exit type: (\S+)(?: Worker exit detail: ([^.]*))?", text)
     where = f"pid {pid.group(1)}" + (f" on {ip.group(1)}" if ip else "") if pid else ""
     if exit_type:
@@ -163,13 +163,19 @@ def death_cause(exc: BaseException) -> str:
     return f"{where}, {how}" if where else how
 
 
+# A failure the driver can say in one line, with the exit code it ends with; None: not this one.
+Explainer = Callable[[BaseException], "tuple[str, int] | None"]
+
+
 class RunFailure:
     """`with RunFailure(...)` around the train loop: a lost worker (seen by the watch, or raised by Ray in
-    the driver) becomes one line on stderr and `SystemExit(WORKER_LOST_EXIT)`; any other exception goes on
-    with its traceback."""
+    the driver) becomes one line on stderr and `SystemExit(WORKER_LOST_EXIT)`; so does a failure one of
+    `explainers` recognises, with its own line and code; any other exception goes on with its traceback."""
 
-    def __init__(self, workers: list[Worker], watch: WorkerWatch, steps: StepCounter, report: FailureReport):
+    def __init__(self, workers: list[Worker], watch: WorkerWatch, steps: StepCounter, report: FailureReport,
+                 explainers: Iterable[Explainer] = ()):
         self.workers, self.watch, self.steps, self.report = workers, watch, steps, report
+        self.explainers = list(explainers)
 
     def death_from(self, exc: BaseException) -> Death | None:
         if self.watch.death is not None:
@@ -182,17 +188,22 @@ class RunFailure:
         worker = next((w for w in self.workers if _actor_id(w.handle) == actor_error.actor_id), None)
         return Death(worker, death_cause(actor_error), self.steps.current)
 
-    def __enter__(self) -> RunFailure:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None:
             return False
         death = self.death_from(exc)
-        if death is None:
-            return False
-        print(self.report.line(death), file=sys.stderr, flush=True)
-        raise SystemExit(WORKER_LOST_EXIT) from None
+        if death is not None:
+            print(self.report.line(death), file=sys.stderr, flush=True)
+            raise SystemExit(WORKER_LOST_EXIT) from None
+        for explain in self.explainers:
+            said = explain(exc)
+            if said is not None:
+                print(said[0], file=sys.stderr, flush=True)
+                raise SystemExit(said[1]) from None
+        return False
 
 
 def _in_chain(exc: BaseException | None, cls: type) -> BaseException | None:

@@ -334,11 +334,24 @@ def _forked_write_results_queue() -> None:
     before megatron-core would make its own. (The writer processes themselves are forked by
     megatron-core as on a GPU machine.)"""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _die_with_parent() -> None:
+    """A forked child holds its parent's sockets, Ray's among them: while it lives, Ray does not see the
+    worker die (the fault rehearsal kills workers). It ends with its parent, as a spawned one would be
+    cut off."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 _ASYNC_CALLS: list = []
