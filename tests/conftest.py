@@ -96,6 +96,7 @@ XDIST_GROUPS = {
     "test_nemo_driver_e2e.py": "nemo-rl-in-process",
     "test_nemo_partial_rollout_grpo.py": "nemo-rl-in-process",
     "test_tracking_nemo_rl.py": "nemo-rl-in-process",
+    "test_tracking_nemo_rl_faults.py": "nemo-rl-in-process",
     "test_nemo_step_signal.py": "nemo-rl-in-process",
     # The Megatron rehearsal in a worker of its own, beside the group above (its Ray head is private and
     # its driver a subprocess): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which

@@ -4,14 +4,8 @@ against a plain sqlite store without a server. Everything is read back through M
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,53 +19,8 @@ from bapo_nemo.tracking.mlflow_tracker import (
 )
 from bapo_nemo.tracking.redact import REDACTED, flatten, is_secret_key
 from bapo_nemo.tracking.tags import config_hash, default_tags
+from tests.mlflow_server import MlflowServer
 from tests.ports import free_port
-
-MLFLOW_BIN = str(Path(sys.executable).with_name("mlflow"))
-
-
-class MlflowServer:
-    """A real `mlflow server` process on 127.0.0.1 that a test can stop and restart on the same port+store."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120.0) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        cmd = [MLFLOW_BIN, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
-               "--artifacts-destination", str(self.root / "server_artifacts"),
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        with open(self.root / "server.log", "ab") as server_log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, env=env, stdout=server_log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"mlflow server not ready after {timeout_s}s")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 @pytest.fixture(autouse=True)
@@ -226,7 +175,7 @@ def test_replay_after_lost_acknowledgement_does_not_duplicate(tmp_path, sqlite_u
     tracker = MlflowTracker(uri, "dedup", buffer_dir=buf)
     run_id = tracker.start({"a": 1}, {})
     journal = buf / f"{run_id}.jsonl"
-    tracker._compact = lambda: None  # keep the journal to simulate the crash window before compaction
+    tracker.journal.compact = lambda: None  # keep the journal to simulate the crash window before compaction
     for step in range(3):
         tracker.log_metrics({"reward/mean": step / 2}, step=step)
     (buf / f"{run_id}.cursor").write_text("0")  # lost acknowledgements: everything replays

@@ -93,9 +93,12 @@ def test_missing_logger_section_is_a_clear_error():
 
 
 class StandInMLflowLogger:
-    """Does what v0.7.0's MLflowLogger.__init__ does with a run_id-less config: create a run, keep its id."""
+    """Does what v0.7.0's MLflowLogger.__init__ does: resume the configured run id, else create a run."""
 
     def __init__(self, cfg: dict):
+        if cfg.get("run_id"):
+            self.run_id = cfg["run_id"]
+            return
         client = MlflowClient(cfg["tracking_uri"])
         exp = client.get_experiment_by_name(cfg["experiment_name"])
         exp_id = exp.experiment_id if exp else client.create_experiment(cfg["experiment_name"],
@@ -111,7 +114,7 @@ class StandInLogger:
 def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
     config = prepare_logger_config(v070_config(tmp_path))
     nemo_logger = StandInLogger(config["logger"])
-    after_setup(config, nemo_logger)
+    tracker = after_setup(config, nemo_logger)
     backend = nemo_logger.loggers[0]
     run_id = backend.run_id
     saved = json.loads((Path(config["checkpointing"]["checkpoint_dir"]) / RUN_FILE).read_text())
@@ -119,6 +122,8 @@ def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
 
     # the logger's own call shape in grpo_train: nested dicts, numpy scalars, a prefix
     backend.log_metrics({"reward": np.float32(0.5), "bapo": {"c_high": 1.35}, "note": "text"}, 7, prefix="train")
+    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_7").mkdir()  # step 7 is sent once a checkpoint covers it
+    assert tracker.flush() == 0
     client = MlflowClient(config["logger"]["mlflow"]["tracking_uri"])
     run = client.get_run(run_id)
     assert run.data.metrics == {"train/reward": 0.5, "train/bapo/c_high": 1.35}
@@ -134,7 +139,6 @@ def test_after_setup_tags_artifacts_run_file_and_journaled_metrics(tmp_path):
     assert logged["env"]["math"]["num_workers"] == 8
 
     # a restarted job with a checkpoint resumes the same run id
-    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_10").mkdir()
     again = prepare_logger_config(v070_config(tmp_path))
     assert again["logger"]["mlflow"]["run_id"] == run_id
 
@@ -159,6 +163,7 @@ def test_real_v070_mlflow_logger_redacts_resumes_and_journals(tmp_path):
     nemo_logger = Logger(config["logger"])
     nemo_logger.log_hyperparams(config)
     after_setup(config, nemo_logger)
+    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_1").mkdir()  # step 1's metrics go once it exists
     nemo_logger.log_metrics({"reward": 1.0, "approx_entropy": 0.3}, step=1, prefix="train")
     run_id = json.loads((Path(config["checkpointing"]["checkpoint_dir"]) / RUN_FILE).read_text())["run_id"]
     client = MlflowClient(config["logger"]["mlflow"]["tracking_uri"])
@@ -166,7 +171,6 @@ def test_real_v070_mlflow_logger_redacts_resumes_and_journals(tmp_path):
     assert run.data.params["env.math.judge_api_key"] == REDACTED
     assert run.data.metrics["train/reward"] == 1.0
     mlflow.end_run()
-    (Path(config["checkpointing"]["checkpoint_dir"]) / "step_1").mkdir()
     resumed = Logger(prepare_logger_config(v070_config(tmp_path))["logger"])
     assert resumed.loggers[-1].run_id == run_id
     mlflow.end_run()

@@ -1,8 +1,9 @@
 """MLflow tracking for both runtimes (embedded trainer and NeMo-RL), and the experiment report.
 
-- `mlflow_tracker.MlflowTracker`: one run, written through an fsync'd local journal (outage-proof).
+- `mlflow_tracker.MlflowTracker`: one run, written through an fsync'd local journal (`journal.Journal`), outage-proof.
 - `tags.default_tags` / `tags.config_hash`: reproducibility tags (git, config hash, image, Slurm, host).
-- `nemo_rl.prepare_logger_config` / `nemo_rl.after_setup`: configure NeMo-RL v0.7.0's MLflowLogger.
+- `nemo_rl.prepare_logger_config` / `nemo_rl.after_setup` / `nemo_rl.finish_nemo_tracking`: NeMo-RL's
+  MLflowLogger through the journal; a step is sent once a checkpoint covers it.
 - `report` / `report_cli`: `bapo-nemo report`, the training-dynamics panels of several runs.
 """
 

@@ -10,7 +10,12 @@ one short timeout per interval, not one per step) and keeps journaling; ``flush(
 that dies with records still journaled replays them the next time a tracker opens the same run id.
 
 Records the server rejects for good (e.g. an invalid value) move to ``<run_id>.rejected.jsonl`` with the
-error, so one bad record cannot block the queue and nothing is silently dropped.
+error, so one bad record cannot block the queue and nothing is silently dropped. The journal's files are
+``bapo_nemo.tracking.journal``'s.
+
+A ``sendable_step`` gate holds metric records of later steps on disk until it allows them (NeMo-RL runs
+send a step only once a checkpoint covers it, see ``tracking.nemo_rl``); the queue stays in order, so a
+held record holds the records after it.
 
 Secrets never leave: params, tags, the run and experiment names and every message naming the tracking
 URI go through ``bapo_nemo.tracking.redact``. A new sqlite store is created under a lock beside it, so two
@@ -24,14 +29,16 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from bapo_nemo.tracking.journal import Journal
 from bapo_nemo.tracking.redact import flatten_and_redact, redact, redact_nested, redact_text
 
 log = logging.getLogger(__name__)
@@ -143,6 +150,7 @@ class MlflowTracker:
         buffer_dir: str | Path | None = None,
         *,
         retry_interval_s: float = 30.0,
+        sendable_step: Callable[[], int | None] | None = None,
     ) -> None:
         self.tracking_uri = check_tracking_uri(tracking_uri)
         self.shown_uri = redact_text(self.tracking_uri)  # for messages: never the password of the URI
@@ -164,19 +172,26 @@ class MlflowTracker:
 
         with store_lock(self.tracking_uri):  # the client opens (and, the first time, creates) the store
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        self._pending: list[dict[str, Any]] = []
-        self._next_seq = 1
+        self.journal: Journal | None = None
+        self.sendable_step = sendable_step
+        self._sendable_up_to: int | None = None  # the gate's newest answer (None: not asked yet)
+        self._holding = sendable_step is not None
+        self._lock = threading.RLock()  # NeMo-RL's GPU monitor logs from its own thread
         self._offline_until = 0.0
         self._finished = False
         self._single_records = 0  # > 0: send records one by one (isolating a rejected one)
         self._existing_params: dict[str, str] | None = None
         if run_id is not None:
-            self._load_journal()
+            self._open_journal()
 
     # ---- public API (contract 2) -------------------------------------------------------------------
     @property
     def run_id(self) -> str | None:
         return self._run_id
+
+    @property
+    def _pending(self) -> list[dict[str, Any]]:
+        return self.journal.pending if self.journal is not None else []
 
     def start(self, params: Mapping[str, Any], tags: Mapping[str, str]) -> str:
         """Create the run (or resume ``run_id``), log flattened + redacted params and tags; return the run id.
@@ -188,11 +203,11 @@ class MlflowTracker:
         safe_tags = redact({str(k): str(v) for k, v in tags.items()})
         if self._run_id is None:
             self._create_run(safe_tags)
-            self._load_journal()
+            self._open_journal()
             self._log_resolved_config(params)
         else:
             # A status an earlier process journaled but never delivered is superseded: this run goes on.
-            self._pending = [r for r in self._pending if r["kind"] != "terminate"]
+            self.journal.pending = [r for r in self.journal.pending if r["kind"] != "terminate"]
             if self._resume_run():
                 safe_tags = {**safe_tags, "bapo.resumed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             flat_params = self._params_not_yet_logged(flat_params)
@@ -203,8 +218,11 @@ class MlflowTracker:
         self._send_pending()
         return self._run_id  # type: ignore[return-value]
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Journal then send; never raises because the server is down (the data waits on disk)."""
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, gated: bool = True) -> None:
+        """Journal then send; never raises because the server is down (the data waits on disk).
+
+        With a ``sendable_step`` gate the record waits until ``sendable_step() >= step``; ``gated=False``
+        is for metrics whose step is not a training step (e.g. seconds of a clock), which never wait."""
         self._require_started()
         timestamp = int(time.time() * 1000)
         values = {}
@@ -214,7 +232,8 @@ class MlflowTracker:
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"metric {key!r} at step {step} is not a number: {value!r}") from exc
         if values:
-            self._journal({"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values})
+            record = {"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values}
+            self._journal(record if gated else {**record, "ungated": True})
             self._send_pending()
 
     def log_tags(self, tags: Mapping[str, str]) -> None:
@@ -229,7 +248,7 @@ class MlflowTracker:
         source = Path(local_path)
         if not source.exists():
             raise FileNotFoundError(f"log_artifact: {source} does not exist")
-        staged = self._staging_dir() / uuid.uuid4().hex / source.name
+        staged = self.journal.staging_dir / uuid.uuid4().hex / source.name
         staged.parent.mkdir(parents=True, exist_ok=True)
         # A copy, because the caller may overwrite or delete the file before an outage ends.
         if source.is_dir():
@@ -253,7 +272,7 @@ class MlflowTracker:
 
     def log_figure(self, figure, artifact_file: str) -> None:
         """Save a matplotlib figure as PNG and log it (journaled like any artifact)."""
-        staged = self._staging_dir() / uuid.uuid4().hex / Path(artifact_file).name
+        staged = self.journal.staging_dir / uuid.uuid4().hex / Path(artifact_file).name
         staged.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(staged, bbox_inches="tight")
         parent = str(Path(artifact_file).parent)
@@ -261,12 +280,40 @@ class MlflowTracker:
         self._send_pending()
 
     def flush(self) -> int:
-        """Send every journaled record now (ignoring the back-off); return how many are still waiting."""
+        """Send every journaled record the gate lets through now (ignoring the back-off); return how many
+        are still waiting (held by the gate or by an outage)."""
         if self._run_id is None:
             return 0
-        self._offline_until = 0.0
-        self._send_pending()
-        return len(self._pending)
+        with self._lock:
+            self._offline_until = 0.0
+            self._send_pending()
+            return len(self._pending)
+
+    def held_steps(self) -> list[int]:
+        """The steps of metric records the ``sendable_step`` gate holds now, in queue order, no repeats."""
+        with self._lock:
+            gated = [r["step"] for r in self._pending if self._gated(r)]
+            limit = self._ask_gate() if gated else None
+            return list(dict.fromkeys(step for step in gated if limit is not None and step > limit))
+
+    def release_held(self) -> list[int]:
+        """Stop holding records for the gate (e.g. the run ended cleanly past its last checkpoint), send
+        what can be sent, and return the steps that were held."""
+        with self._lock:
+            steps = self.held_steps()
+            self._holding = False
+            self._send_pending()
+            return steps
+
+    def set_aside_steps_after(self, step: int) -> list[dict[str, Any]]:
+        """Take the journaled metric records of training steps after ``step`` out of the queue (into
+        ``<run_id>.superseded.jsonl``, kept): a run resumed from ``step`` computes those steps again.
+        Call before ``start()``; returns the records set aside."""
+        with self._lock:
+            if self.journal is None:
+                return []
+            return self.journal.set_aside(
+                lambda r: r["kind"] == "metrics" and not r.get("ungated") and r["step"] > step)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Mark the run terminated (FINISHED, FAILED, KILLED) after replaying the journal."""
@@ -279,9 +326,9 @@ class MlflowTracker:
         self._finished = True
         if remaining:
             log.warning(
-                "MLflow server %s unreachable: %d records of run %s wait in %s; they are replayed the next "
-                "time MlflowTracker(run_id=%r, buffer_dir=...) opens this run and calls flush()",
-                self.shown_uri, remaining, self._run_id, self._journal_path(), self._run_id,
+                "MLflow server %s unreachable or records held: %d records of run %s wait in %s; they are "
+                "replayed the next time MlflowTracker(run_id=%r, buffer_dir=...) opens this run and calls flush()",
+                self.shown_uri, remaining, self._run_id, self.journal.path, self._run_id,
             )
 
     # ---- run creation / resumption ---------------------------------------------------------------
@@ -333,7 +380,7 @@ class MlflowTracker:
         """The resolved config as a YAML artifact (secrets redacted), next to the flattened params."""
         import yaml
 
-        staged = self._staging_dir() / uuid.uuid4().hex / "resolved_config.yaml"
+        staged = self.journal.staging_dir / uuid.uuid4().hex / "resolved_config.yaml"
         staged.parent.mkdir(parents=True, exist_ok=True)
         plain = json.loads(json.dumps(redact_nested(dict(params)), default=str))  # Paths, enums -> text
         staged.write_text(yaml.safe_dump(plain, sort_keys=False))
@@ -380,120 +427,98 @@ class MlflowTracker:
             self._journal({"kind": "tags", "tags": {"bapo.params_changed_on_resume": ",".join(changed)[:5000]}})
         return {k: v for k, v in params.items() if k not in existing}
 
-    # ---- journal ---------------------------------------------------------------------------------
-    def _journal_path(self) -> Path:
-        return self.buffer_dir / f"{self._run_id}.jsonl"
-
-    def _cursor_path(self) -> Path:
-        return self.buffer_dir / f"{self._run_id}.cursor"
-
-    def _staging_dir(self) -> Path:
-        return self.buffer_dir / f"{self._run_id}.artifacts"
-
-    def _load_journal(self) -> None:
-        """Pick up records a previous process journaled but never got acknowledged."""
-        self.buffer_dir.mkdir(parents=True, exist_ok=True)
-        cursor = 0
-        if self._cursor_path().exists():
-            cursor = int(self._cursor_path().read_text().strip() or 0)
-        self._pending, last_seq = [], cursor
-        if self._journal_path().exists():
-            lines = self._journal_path().read_text().splitlines()
-            for number, line in enumerate(lines):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    if number == len(lines) - 1:
-                        continue  # torn last line of a process killed mid-write: never acknowledged
-                    raise ValueError(f"{self._journal_path()}: line {number + 1} is not JSON; fix or remove it")
-                last_seq = max(last_seq, record["seq"])
-                if record["seq"] > cursor:
-                    self._pending.append(record)
-        self._next_seq = last_seq + 1
-        if self._pending:
+    # ---- journal and gate --------------------------------------------------------------------------
+    def _open_journal(self) -> None:
+        """Open this run's journal; records an earlier process left unacknowledged are replayed."""
+        self.journal = Journal(self.buffer_dir, self._run_id)
+        if self.journal.pending:
             log.info("run %s: %d journaled records from an earlier process will be replayed", self._run_id,
-                     len(self._pending))
+                     len(self.journal.pending))
 
     def _journal(self, record: dict[str, Any]) -> None:
-        record = {"seq": self._next_seq, **record}
-        self._next_seq += 1
-        self.buffer_dir.mkdir(parents=True, exist_ok=True)
-        with open(self._journal_path(), "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, allow_nan=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        self._pending.append(record)
-
-    def _acknowledge(self, seq: int) -> None:
-        tmp = self._cursor_path().with_suffix(".cursor.tmp")
-        with open(tmp, "w") as fh:
-            fh.write(str(seq))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self._cursor_path())
-
-    def _compact(self) -> None:
-        """Everything is acknowledged: empty the journal (the cursor keeps the sequence going)."""
-        with open(self._journal_path(), "w") as fh:
-            fh.flush()
-            os.fsync(fh.fileno())
-        staging = self._staging_dir()
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        with self._lock:
+            self.journal.append(record)
 
     def _reject(self, record: dict[str, Any], exc: BaseException) -> None:
-        path = self.buffer_dir / f"{self._run_id}.rejected.jsonl"
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({**record, "error": redact_text(str(exc))[:2000]}, allow_nan=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        path = self.journal.reject(record, redact_text(str(exc)))
         log.error("MLflow rejected record %d of run %s (%s); kept in %s", record["seq"], self._run_id,
                   redact_text(str(exc)), path)
 
+    def _ask_gate(self) -> int | None:
+        """The highest step the gate lets through now (None: no limit). Its answer can only grow (a newer
+        checkpoint), so a smaller one keeps the earlier answer."""
+        try:
+            answer = self.sendable_step()
+        except OSError as exc:  # e.g. the checkpoint directory briefly unreadable: ask again next time
+            log.warning("MLflow run %s: could not ask which steps may be sent (%s); holding them", self._run_id, exc)
+            return self._sendable_up_to if self._sendable_up_to is not None else -1
+        if answer is None:
+            return None
+        self._sendable_up_to = answer if self._sendable_up_to is None else max(self._sendable_up_to, answer)
+        return self._sendable_up_to
+
+    def _gated(self, record: dict[str, Any]) -> bool:
+        return self._holding and record["kind"] == "metrics" and not record.get("ungated")
+
+    def _sendable_count(self) -> int:
+        """How many records at the head of the queue may go now: a held record holds every one after it
+        (the cursor acknowledges a prefix). The gate is asked at most once per call, and only when a
+        record's step is past its last answer."""
+        limit, asked = self._sendable_up_to, False
+        for index, record in enumerate(self._pending):
+            if not self._gated(record) or (limit is not None and record["step"] <= limit):
+                continue
+            if not asked:
+                limit, asked = self._ask_gate(), True
+                if limit is None:
+                    return len(self._pending)
+                if record["step"] <= limit:
+                    continue
+            return index
+        return len(self._pending)
+
     # ---- sending ---------------------------------------------------------------------------------
     def _send_pending(self) -> None:
-        if not self._pending or time.monotonic() < self._offline_until:
-            return
-        sent_any = False
-        bar = None
-        if len(self._pending) >= _PROGRESS_MIN_RECORDS:  # a long outage: show the replay
-            from tqdm import tqdm
+        with self._lock:
+            if not self._pending or time.monotonic() < self._offline_until:
+                return
+            sendable = self._sendable_count()
+            bar = None
+            if sendable >= _PROGRESS_MIN_RECORDS:  # a long outage: show the replay
+                from tqdm import tqdm
 
-            bar = tqdm(total=len(self._pending), desc=f"replaying MLflow journal of run {self._run_id[:8]}",
-                       unit="record")
-        while self._pending:
-            group = self._next_group()
-            try:
-                self._send_group(group)
-            except Exception as exc:  # noqa: BLE001 - any failure must leave training running
-                if _error_code(exc) not in _PERMANENT_ERRORS:
-                    self._offline_until = time.monotonic() + self.retry_interval_s
-                    log.warning("MLflow server %s unreachable (%s); %d records journaled in %s, retrying in %.0f s",
-                                self.shown_uri, redact_text(str(exc).splitlines()[0][:300]), len(self._pending),
-                                self._journal_path(), self.retry_interval_s)
-                    break
-                if len(group) > 1:  # find the bad record: resend this group one record at a time
-                    self._single_records = len(group)
-                    continue
-                self._reject(group[0], exc)
-            self._acknowledge(group[-1]["seq"])
-            del self._pending[: len(group)]
-            self._single_records = max(0, self._single_records - len(group))
-            sent_any = True
+                bar = tqdm(total=sendable, desc=f"replaying MLflow journal of run {self._run_id[:8]}", unit="record")
+            while sendable:
+                group = self._next_group(sendable)
+                try:
+                    self._send_group(group)
+                except Exception as exc:  # noqa: BLE001 - any failure must leave training running
+                    if _error_code(exc) not in _PERMANENT_ERRORS:
+                        self._offline_until = time.monotonic() + self.retry_interval_s
+                        log.warning("MLflow server %s unreachable (%s); %d records journaled in %s, retrying in "
+                                    "%.0f s", self.shown_uri, redact_text(str(exc).splitlines()[0][:300]),
+                                    len(self._pending), self.journal.path, self.retry_interval_s)
+                        break
+                    if len(group) > 1:  # find the bad record: resend this group one record at a time
+                        self._single_records = len(group)
+                        continue
+                    self._reject(group[0], exc)
+                self.journal.acknowledge(len(group))
+                sendable -= len(group)
+                self._single_records = max(0, self._single_records - len(group))
+                if bar is not None:
+                    bar.update(len(group))
             if bar is not None:
-                bar.update(len(group))
-        if bar is not None:
-            bar.close()
-        if sent_any and not self._pending:
-            self._compact()
+                bar.close()
 
-    def _next_group(self) -> list[dict[str, Any]]:
-        """Consecutive metric records that fit one log_batch call (a long replay takes few requests)."""
+    def _next_group(self, sendable: int) -> list[dict[str, Any]]:
+        """Consecutive metric records among the first ``sendable`` that fit one log_batch call (a long
+        replay takes few requests)."""
         first = self._pending[0]
         if first["kind"] != "metrics" or self._single_records:
             return [first]
         group, count = [first], len(first["metrics"])
-        for record in self._pending[1:]:
+        for record in self._pending[1:sendable]:
             if record["kind"] != "metrics" or count + len(record["metrics"]) > _METRICS_PER_BATCH:
                 break
             group.append(record)
@@ -537,7 +562,7 @@ class MlflowTracker:
         elif kind == "terminate":
             self.client.set_terminated(run_id, status=record["status"])
         else:
-            raise ValueError(f"{self._journal_path()}: unknown record kind {kind!r} (seq {record['seq']})")
+            raise ValueError(f"{self.journal.path}: unknown record kind {kind!r} (seq {record['seq']})")
 
     def _require_started(self) -> None:
         if self._run_id is None:

@@ -1,10 +1,12 @@
-"""MLflow for NeMo-RL v0.7.0 runs, through NeMo-RL's own ``MLflowLogger`` (nemo_rl/utils/logger.py).
+"""MLflow for NeMo-RL runs (v0.7.0 and main), through NeMo-RL's own ``MLflowLogger`` (nemo_rl/utils/logger.py).
 
 A driver calls, around ``nemo_rl.algorithms.grpo.setup``::
 
     config = prepare_logger_config(config)          # before setup(): turns MLflow on, resumes the run id
     (policy, ..., logger, ...) = setup(MasterConfig(**config), ...)
-    after_setup(config, logger)                      # after setup(): our tags, params, artifacts
+    tracker = after_setup(config, logger)            # after setup(): our tags, params, artifacts, journal
+    grpo_train(...)
+    finish_nemo_tracking(tracker)                    # a clean end: send what no checkpoint covers
 
 What each step adds to v0.7.0's logger:
 
@@ -15,7 +17,11 @@ What each step adds to v0.7.0's logger:
 - Secrets in the config never reach MLflow: NeMo-RL logs the whole config with ``log_hyperparams``, so
   that method is wrapped to redact values first.
 - After setup, the logger's ``log_metrics``/``log_plot`` go through :class:`MlflowTracker`'s journal, so an
-  MLflow outage no longer stops training (v0.7.0 calls ``mlflow.log_metrics`` directly, which raises).
+  MLflow outage no longer stops training (NeMo-RL calls ``mlflow.log_metrics`` directly, which raises).
+  With checkpointing on, the journal is ``<checkpoint_dir>/mlflow_journal`` (found by every attempt of a
+  requeued job) and a step's metrics are sent once a complete checkpoint ``step_K`` with K >= step exists:
+  NeMo-RL logs a step's first metrics before its checkpoint, so an attempt that dies in between would
+  otherwise leave points that the resumed attempt logs again.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import copy
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +51,7 @@ from bapo_nemo.tracking.tags import default_tags
 log = logging.getLogger(__name__)
 
 RUN_FILE = "mlflow_run.json"
+JOURNAL_DIR = "mlflow_journal"
 DEFAULT_EXPERIMENT = "bapo-nemo"
 
 
@@ -62,8 +70,30 @@ def _checkpoint_dir(config: Mapping) -> Path | None:
     return Path(ckpt["checkpoint_dir"])
 
 
+_COMPLETE_CHECKPOINT = re.compile(r"step_(\d+)")  # NeMo-RL renames tmp_step_N to step_N once it is complete
+
+
+def newest_checkpoint_step(checkpoint_dir: str | Path) -> int | None:
+    """The step of the newest complete checkpoint ``step_N`` in ``checkpoint_dir`` (one listing), else None."""
+    try:
+        names = os.listdir(checkpoint_dir)
+    except FileNotFoundError:
+        return None
+    steps = [int(m.group(1)) for m in map(_COMPLETE_CHECKPOINT.fullmatch, names) if m]
+    return max(steps, default=None)
+
+
 def _has_checkpoint(checkpoint_dir: Path) -> bool:
-    return checkpoint_dir.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in checkpoint_dir.iterdir())
+    return newest_checkpoint_step(checkpoint_dir) is not None
+
+
+def journal_dir(config: Mapping) -> Path:
+    """Where the run's MLflow journal lives: beside the checkpoints (every attempt of a requeued job finds
+    it there, while ``logger.log_dir`` is a new ``exp_NNN`` per attempt), else under ``logger.log_dir``."""
+    checkpoint_dir = _checkpoint_dir(config)
+    if checkpoint_dir is not None:
+        return checkpoint_dir / JOURNAL_DIR
+    return Path((config.get("logger") or {}).get("log_dir") or "logs") / "mlflow_buffer"
 
 
 def read_saved_run(checkpoint_dir: str | Path) -> dict | None:
@@ -184,17 +214,33 @@ def find_mlflow_logger(nemo_logger: Any) -> Any:
     )
 
 
-def after_setup(master_config: dict, nemo_logger) -> MlflowTracker:
+def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = None) -> MlflowTracker:
     """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
     route the logger's metrics through the outage-proof journal. Returns the run's tracker (for tags the
-    driver adds later)."""
+    driver adds later, and for :func:`finish_nemo_tracking`).
+
+    With checkpointing on, a step's metrics are sent only once a complete checkpoint covers the step
+    (a resumed attempt runs the later steps again, and MLflow cannot delete a logged point), and the
+    journal lives in ``<checkpoint_dir>/mlflow_journal``. ``resumed_step`` is the step of the checkpoint
+    setup() loaded (0 for a fresh run); None reads it from the checkpoint directory, which at this point
+    holds exactly what setup() resumed from. Journaled records of later steps are set aside."""
     config = _as_dict(master_config)
     mlflow_cfg = config["logger"]["mlflow"]
     backend = find_mlflow_logger(nemo_logger)
     run_id = backend.run_id
     log_dir = Path(config["logger"].get("log_dir") or "logs")
+    checkpoint_dir = _checkpoint_dir(config)
+    gate = None
+    if checkpoint_dir is not None:
+        def gate() -> int:  # -1: no checkpoint yet, so no step may go
+            newest = newest_checkpoint_step(checkpoint_dir)
+            return -1 if newest is None else newest
     tracker = MlflowTracker(mlflow_cfg["tracking_uri"], mlflow_cfg["experiment_name"], run_id=run_id,
-                            buffer_dir=log_dir / "mlflow_buffer")
+                            buffer_dir=journal_dir(config), sendable_step=gate)
+    if checkpoint_dir is not None:
+        if resumed_step is None:
+            resumed_step = newest_checkpoint_step(checkpoint_dir) or 0
+        _set_aside_steps_run_again(tracker, resumed_step)
     bapo_block = (config.get("loss_fn") or {}).get("bapo")
     tags = {**default_tags(config), "bapo.runtime": "nemo_rl", "bapo.enabled": str(bool(bapo_block and
             bapo_block.get("enabled", True))).lower()}
@@ -202,7 +248,6 @@ def after_setup(master_config: dict, nemo_logger) -> MlflowTracker:
     tracker.start({"bapo": bapo_block} if bapo_block else {}, tags)
     _log_config_artifact(tracker, config, log_dir)
 
-    checkpoint_dir = _checkpoint_dir(config)
     if checkpoint_dir is not None:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         tmp = checkpoint_dir / (RUN_FILE + ".tmp")
@@ -211,6 +256,42 @@ def after_setup(master_config: dict, nemo_logger) -> MlflowTracker:
         os.replace(tmp, checkpoint_dir / RUN_FILE)
     _journal_logger_metrics(backend, tracker)
     return tracker
+
+
+def _set_aside_steps_run_again(tracker: MlflowTracker, resumed_step: int) -> None:
+    """Records of steps after ``resumed_step`` that an earlier attempt journaled and never sent: this
+    attempt computes those steps again, so sending both would log each step twice."""
+    records = tracker.set_aside_steps_after(resumed_step)
+    if records:
+        steps = [r["step"] for r in records]
+        after = f"after checkpoint step_{resumed_step}" if resumed_step else "before the run's first checkpoint"
+        log.warning("%d metric record%s of step%s %s, logged by an earlier attempt %s, set aside in %s: "
+                    "those steps are run again", len(records), "s" * (len(records) != 1),
+                    "s" * (len(set(steps)) != 1), _step_ranges(steps), after, tracker.journal.superseded_path)
+
+
+def finish_nemo_tracking(tracker: MlflowTracker, status: str = "FINISHED") -> list[int]:
+    """At the end of a run: send the metrics still held because no checkpoint covers their steps, then
+    mark the run ``status``. Returns those steps (they are in no checkpoint, so a later resume from the
+    newest checkpoint would run them again and log them twice)."""
+    steps = tracker.release_held()
+    if steps:
+        log.warning("MLflow run %s: steps %s are in no checkpoint; their metrics are sent now, and a later "
+                    "resume from the newest checkpoint would run (and log) them again", tracker.run_id,
+                    _step_ranges(steps))
+    tracker.finish(status)
+    return steps
+
+
+def _step_ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    ordered = sorted(set(steps))
+    ranges, first = [], ordered[0]
+    for previous, step in zip(ordered, ordered[1:] + [None]):
+        if step != previous + 1:
+            ranges.append(str(first) if first == previous else f"{first}-{previous}")
+            first = step
+    return ", ".join(ranges)
 
 
 def _log_config_artifact(tracker: MlflowTracker, config: dict, log_dir: Path) -> None:
@@ -245,8 +326,8 @@ def _journal_logger_metrics(backend: Any, tracker: MlflowTracker) -> None:
                     out[name] = float(value)
                 except (TypeError, ValueError):
                     log.debug("skipping non-numeric metric %s=%r", name, value)
-        if out:
-            tracker.log_metrics(out, step=step)
+        if out:  # the GPU monitor's steps (it passes step_metric) are seconds, not training steps
+            tracker.log_metrics(out, step=step, gated=step_metric is None)
 
     def log_plot(figure, step, name):
         tracker.log_figure(figure, f"plots/{name}.png")

@@ -1,0 +1,242 @@
+"""MLflow on the NeMo-RL path through faults: a step's metrics go to MLflow only once a complete checkpoint
+covers the step, the journal lives beside the checkpoints, a requeued attempt sets aside what an earlier
+attempt logged for steps it runs again, and an outage of a real `mlflow server` loses and duplicates
+nothing. The CPU tests stand in for NeMo-RL's logger (tests/test_tracking_nemo_rl.py says how); the
+`nemo_rl`-marked test drives NeMo-RL's real Logger/MLflowLogger.
+
+A "step" below follows the order of NeMo-RL's sync loop (grpo_train, both trees): the rollout metrics of
+step S, then the checkpoint (``tmp_step_S`` renamed to ``step_S`` when complete; on main possibly later, on
+a background thread), then the step's train and timing metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
+from bapo_nemo.tracking.nemo_rl import (
+    JOURNAL_DIR,
+    after_setup,
+    finish_nemo_tracking,
+    journal_dir,
+    prepare_logger_config,
+)
+from tests.mlflow_server import MlflowServer
+from tests.test_tracking_nemo_rl import StandInLogger, v070_config
+
+
+@pytest.fixture(autouse=True)
+def _a_live_server_may_answer_slowly(monkeypatch):
+    """As in tests/test_tracking_mlflow.py: the outages here are a stopped server, refused at once."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory) -> Path:
+    """An initialised sqlite store to copy (creating one runs MLflow's migrations, seconds)."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def attempt_config(tmp_path: Path, template_db: Path, attempt: int, **mlflow) -> dict:
+    """The config of attempt ``attempt`` of one job: same checkpoint dir, the driver's next ``exp_NNN``."""
+    config = v070_config(tmp_path, **mlflow)
+    config["logger"]["log_dir"] = str(tmp_path / "logs" / f"exp_{attempt:03d}")
+    if "tracking_uri" not in mlflow:
+        db = tmp_path / "mlflow.db"
+        if not db.exists():
+            shutil.copy(template_db, db)
+        config["logger"]["mlflow"]["tracking_uri"] = f"sqlite:///{db}"
+    return prepare_logger_config(config)
+
+
+def checkpoint(config: dict, step: int, complete: bool = True) -> None:
+    """What NeMo-RL's CheckpointManager does on disk: write tmp_step_N, rename it to step_N when complete."""
+    root = Path(config["checkpointing"]["checkpoint_dir"])
+    tmp = root / f"tmp_step_{step}"
+    tmp.mkdir(parents=True)
+    (tmp / "training_info.json").write_text(json.dumps({"step": step}))
+    if complete:
+        tmp.rename(root / f"step_{step}")
+
+
+def complete(config: dict, step: int) -> None:
+    root = Path(config["checkpointing"]["checkpoint_dir"])
+    (root / f"tmp_step_{step}").rename(root / f"step_{step}")
+
+
+def steps_of(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_a_step_goes_to_mlflow_once_a_complete_checkpoint_covers_it(tmp_path, template_db):
+    config = attempt_config(tmp_path, template_db, 1)
+    nemo_logger = StandInLogger(config["logger"])
+    tracker = after_setup(config, nemo_logger, resumed_step=0)
+    backend, run_id = nemo_logger.loggers[0], nemo_logger.loggers[0].run_id
+    client = MlflowClient(config["logger"]["mlflow"]["tracking_uri"])
+
+    backend.log_metrics({"reward": 0.25}, 1, prefix="train")
+    tracker.log_tags({"note": "after step 1's metrics"})  # no step: waits in its place behind them
+    # the GPU monitor's steps are seconds since it started (it passes step_metric): never held
+    backend.log_metrics({"gpu0": {"util": 0.9}, "ray_step": 3600}, 3600, prefix="ray", step_metric="ray/ray_step")
+    assert steps_of(client, run_id, "train/reward") == []
+    assert "note" not in client.get_run(run_id).data.tags
+    checkpoint(config, 1, complete=False)  # tmp_step_1: written, not complete
+    assert tracker.flush() == 3
+    assert steps_of(client, run_id, "train/reward") == []
+    complete(config, 1)
+    assert tracker.flush() == 0
+    assert steps_of(client, run_id, "train/reward") == [(1, 0.25)]
+    assert client.get_run(run_id).data.tags["note"] == "after step 1's metrics"
+    assert steps_of(client, run_id, "ray/gpu0/util") == [(3600, 0.9)]
+
+    backend.log_metrics({"reward": 0.5}, 2, prefix="train")
+    backend.log_metrics({"reward": 0.75}, 3, prefix="train")
+    checkpoint(config, 2)  # covers step 2, not step 3
+    assert tracker.flush() == 1
+    assert steps_of(client, run_id, "train/reward") == [(1, 0.25), (2, 0.5)]
+    # a clean end sends what no checkpoint covers, and names it
+    assert finish_nemo_tracking(tracker) == [3]
+    assert steps_of(client, run_id, "train/reward") == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_the_gate_is_asked_once_per_send_and_only_when_a_record_waits(tmp_path, template_db):
+    """The checkpoint directory is listed at most once per send attempt, and not at all while every
+    record's step is covered by the newest answer (on Lustre a listing per metric would add up)."""
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    asked = []
+
+    def newest_checkpoint() -> int:
+        asked.append(1)
+        return 5
+
+    tracker = MlflowTracker(uri, "gate", buffer_dir=tmp_path / "journal", sendable_step=newest_checkpoint)
+    tracker.start({}, {})  # params and tags: no step, never held
+    assert asked == []
+    for step in range(1, 6):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    assert len(asked) == 1  # the first answer (5) covers steps 1-5
+    for step in (6, 7):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+    assert len(asked) == 3  # one listing per send attempt while step 6 waits
+    assert tracker.held_steps() == [6, 7]
+    assert [m.step for m in MlflowClient(uri).get_metric_history(tracker.run_id, "loss")] == [1, 2, 3, 4, 5]
+
+
+def test_requeued_attempt_sets_aside_the_steps_it_runs_again(tmp_path, template_db, caplog):
+    """Attempt 1 checkpoints step 2, logs steps 3-5 with step 4's checkpoint renamed late (main renames on a
+    background thread) and dies: its tracker is dropped without finish, steps 3-5 journaled and unsent.
+    Attempt 2 (the same command: the next exp_NNN, resumed from step_4) replays steps 3-4, sets step 5
+    aside and runs 5-6. MLflow ends with each step once, step 5 from attempt 2."""
+    first = attempt_config(tmp_path, template_db, 1)
+    logger_1 = StandInLogger(first["logger"])
+    tracker_1 = after_setup(first, logger_1, resumed_step=0)
+    backend, run_id = logger_1.loggers[0], logger_1.loggers[0].run_id
+
+    def step(backend, number: int, attempt: int, save: bool, config: dict, rename: bool = True) -> None:
+        backend.log_metrics({"reward": number + attempt / 10}, number, prefix="train")  # rollout metrics
+        if save:
+            checkpoint(config, number, complete=rename)
+        backend.log_metrics({"loss": -number - attempt / 10}, number, prefix="train")  # train metrics
+        backend.log_metrics({"total_step_time": 1.0}, number, prefix="timing/train", step_finished=True)
+
+    step(backend, 1, 1, False, first)
+    step(backend, 2, 1, True, first)
+    step(backend, 3, 1, False, first)
+    step(backend, 4, 1, True, first, rename=False)  # tmp_step_4 written; the rename still to come
+    backend.log_metrics({"reward": 5.1}, 5, prefix="train")  # step 5's rollout metrics
+    complete(first, 4)  # the background rename lands; the process is killed before its next log call
+    client = MlflowClient(first["logger"]["mlflow"]["tracking_uri"])
+    assert steps_of(client, run_id, "train/reward") == [(1, 1.1), (2, 2.1)]
+    assert [r["step"] for r in tracker_1.journal.pending] == [3, 3, 3, 4, 4, 4, 5]  # on disk, unsent
+    del tracker_1, backend, logger_1
+
+    second = attempt_config(tmp_path, template_db, 2)
+    assert second["logger"]["mlflow"]["run_id"] == run_id  # step_4 exists: the same run goes on
+    assert second["logger"]["log_dir"] != first["logger"]["log_dir"]
+    logger_2 = StandInLogger(second["logger"])
+    with caplog.at_level("WARNING"):
+        tracker_2 = after_setup(second, logger_2, resumed_step=4)
+    superseded = Path(first["checkpointing"]["checkpoint_dir"]) / JOURNAL_DIR / f"{run_id}.superseded.jsonl"
+    assert (f"1 metric record of step 5, logged by an earlier attempt after checkpoint step_4, set aside in "
+            f"{superseded}: those steps are run again") in caplog.text
+    assert steps_of(client, run_id, "train/reward") == [(1, 1.1), (2, 2.1), (3, 3.1), (4, 4.1)]
+    step(logger_2.loggers[0], 5, 2, False, second)
+    step(logger_2.loggers[0], 6, 2, True, second)
+    assert finish_nemo_tracking(tracker_2) == []
+
+    assert steps_of(client, run_id, "train/reward") == [(1, 1.1), (2, 2.1), (3, 3.1), (4, 4.1), (5, 5.2), (6, 6.2)]
+    assert steps_of(client, run_id, "train/loss") == [(1, -1.1), (2, -2.1), (3, -3.1), (4, -4.1), (5, -5.2),
+                                                       (6, -6.2)]
+    assert [s for s, _ in steps_of(client, run_id, "timing/train/total_step_time")] == [1, 2, 3, 4, 5, 6]
+    (aside,) = [json.loads(line) for line in superseded.read_text().splitlines()]
+    assert aside["step"] == 5 and aside["metrics"] == {"train/reward": 5.1}
+
+
+def test_every_attempt_finds_the_journal_beside_the_checkpoints(tmp_path, template_db):
+    first, second = (attempt_config(tmp_path, template_db, n) for n in (1, 2))
+    assert first["logger"]["log_dir"] != second["logger"]["log_dir"]
+    expected = Path(first["checkpointing"]["checkpoint_dir"]) / JOURNAL_DIR
+    assert journal_dir(first) == journal_dir(second) == expected
+    tracker = after_setup(first, StandInLogger(first["logger"]))
+    assert tracker.journal.path.parent == expected
+    # without checkpointing nothing resumes: the journal stays with the attempt's logs
+    first["checkpointing"]["enabled"] = False
+    assert journal_dir(first) == Path(first["logger"]["log_dir"]) / "mlflow_buffer"
+
+
+@pytest.fixture
+def server(tmp_path, template_db):
+    srv = MlflowServer(tmp_path / "server")
+    srv.root.mkdir()
+    shutil.copy(template_db, srv.root / "server.db")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.nemo_rl
+def test_server_outage_during_a_run_through_nemo_rl_logger(tmp_path, template_db, server):
+    """NeMo-RL's real Logger/MLflowLogger against a real server, stopped after step 2 and restarted after
+    step 4 (steps 3-4 and a checkpoint happen during the outage): every step arrives exactly once."""
+    import mlflow
+    from nemo_rl.utils.logger import Logger
+
+    config = attempt_config(tmp_path, template_db, 1, tracking_uri=server.uri)
+    nemo_logger = Logger(config["logger"])
+    nemo_logger.log_hyperparams(config)
+    tracker = after_setup(config, nemo_logger)
+    run_id = tracker.run_id
+
+    def step(number: int) -> None:
+        nemo_logger.log_metrics({"reward": number / 10}, number, prefix="train")
+        if number % 2 == 0:
+            checkpoint(config, number)
+        nemo_logger.log_metrics({"loss": -number / 10, "gen": [1, 2, 3]}, number, prefix="train")
+
+    step(1)
+    step(2)
+    client = MlflowClient(server.uri)
+    assert steps_of(client, run_id, "train/reward") == [(1, 0.1), (2, 0.2)]
+    server.stop()
+    step(3)
+    step(4)  # its train metrics find step_4 and try to send steps 3-4: refused, the tracker backs off
+    assert [r["step"] for r in tracker.journal.pending if r["kind"] == "metrics"] == [3, 3, 4, 4]
+    server.start()
+    step(5)  # the tracker is still backing off: journaled only
+    assert finish_nemo_tracking(tracker) == [5]
+    expected = [(n, n / 10) for n in range(1, 6)]
+    assert steps_of(client, run_id, "train/reward") == expected
+    assert steps_of(client, run_id, "train/loss") == [(n, -r) for n, r in expected]
+    # NeMo-RL's list summary (v0.7.0 and main: _summarize_list) of [1, 2, 3]: mean 2
+    assert steps_of(client, run_id, "train/gen/mean") == [(n, 2.0) for n in range(1, 6)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    mlflow.end_run()  # NeMo-RL's fluent run, while the server still answers
