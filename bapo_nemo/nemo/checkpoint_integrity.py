@@ -89,7 +89,7 @@ def _dcp_damage(directory: Path, files: set[str]) -> str | None:
 
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # a cut pickle raises anything from EOFError to UnpicklingError
+    except Exception as exc:  # noqa: BLE001 (a cut pickle raises anything from EOFError to UnpicklingError)
         return f"{directory / _DCP_METADATA} does not read ({type(exc).__name__}: {exc})"
     needed: dict[str, int] = {}
     for item in (getattr(metadata, "storage_data", None) or {}).values():
