@@ -112,7 +112,7 @@ def _megatron_damage(directory: Path, files: set[str]) -> str | None:
     if _MEGATRON_ITERATION.fullmatch(directory.name) and _MEGATRON_METADATA not in files:
         return f"{directory / _MEGATRON_METADATA} is missing"
     if _MEGATRON_TRACKER in files:
-        text = (directory / _MEGATRON_TRACKER).read_text().strip()
+        text = (directory / _MEGATRON_TRACKER).read_bytes().decode(errors="replace").strip()
         if text != "release" and not (text.isdigit() and (directory / f"iter_{int(text):07d}").is_dir()):
             return f"{directory / _MEGATRON_TRACKER} names no iteration here ({text!r})"
     return None
