@@ -63,6 +63,9 @@ CASES = {
     "grpo_train reaches validate through a module": Case(
         "validate", GRPO, "grpo_train", "= validate(", "= validation.validate("
     ),
+    "setup builds its checkpointer through a module": Case(
+        "CheckpointManager", GRPO, "setup", "= CheckpointManager(", "= checkpoint.CheckpointManager("
+    ),
     "grpo_train starts checkpoints by another method": Case(
         "CheckpointManager.init_tmp_checkpoint", GRPO, "grpo_train", "checkpointer.init_tmp_checkpoint(",
         "checkpointer.begin_checkpoint(",

@@ -167,6 +167,19 @@ SEAMS: tuple[Seam, ...] = (
         applies=_partial,
     ),
     Seam(
+        f"{GRPO}:CheckpointManager",
+        "module name replaced by a subclass",
+        "nemo/checkpoint_integrity.py",
+        "a damaged newest checkpoint is skipped (named in one line) and the newest intact one resumed; at the "
+        "next save it is moved to damaged_step_N instead of being deleted or pruned",
+        (
+            Site(GRPO, "setup", "CheckpointManager", global_name=True),
+            Site(GRPO, "setup", "checkpointer.get_latest_checkpoint_path"),
+        ),
+        feature="checkpointing",
+        applies=_checkpointing,
+    ),
+    Seam(
         f"{CHECKPOINT}:CheckpointManager.init_tmp_checkpoint",
         "instance method wrapped",
         "nemo/checkpoint_hooks.py",
