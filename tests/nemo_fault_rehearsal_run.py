@@ -45,7 +45,7 @@ DISK_FULL_RESERVE = 4096  # what the filler leaves free: less than any checkpoin
 
 
 class Tee(io.TextIOBase):
-    """stderr as the attempt's lines: kept for the test and still shown in the log."""
+    """An attempt's output: kept for the test and still shown in the log."""
 
     def __init__(self, stream):
         self.stream, self.text = stream, []
@@ -115,18 +115,18 @@ def attempt(root: Path, config: Path, uri: str, calls: dict, name: str, fault: d
             on_train[len(seen)]()
 
     calls["on_train"][:] = [at_train]
-    started, tee = time.time(), Tee(sys.stderr)
-    with contextlib.redirect_stderr(tee):
+    started, tee, out = time.time(), Tee(sys.stderr), Tee(sys.stdout)
+    with contextlib.redirect_stderr(tee), contextlib.redirect_stdout(out):
         try:
             rc = run_driver(config, calls["built"], [f"++logger.mlflow.tracking_uri={uri}"])
         except SystemExit as exc:
             rc = exc.code if isinstance(exc.code, int) else 1
-    record.append(outcome(root, name, rc, started, "".join(tee.text), len(seen)))
+    record.append(outcome(root, name, rc, started, "".join(out.text + tee.text), len(seen)))
 
 
 def outcome(root: Path, name: str, rc: int, started: float, stderr: str, train_calls: int) -> dict:
     lines = [x for x in stderr.splitlines() if x.startswith("error:") or "is damaged" in x or "generated again" in x
-             or "moved aside" in x or "Timeout has been reached" in x]
+             or "Timeout has been reached" in x]
     return {"name": name, "rc": rc, "seconds": round(time.time() - started, 1), "lines": lines,
             "train_calls": train_calls,
             "checkpoints": sorted(p.name for p in (root / "checkpoints").iterdir())}
@@ -153,7 +153,7 @@ def kill_driver_attempt(spec: dict, uri: str) -> None:
 
 
 def rehearse(spec: dict, spec_path: Path) -> None:
-    from tests.test_tracking_mlflow import MlflowServer
+    from tests.mlflow_server import MlflowServer
 
     root, config = Path(spec["root"]), Path(spec["config"])
     checkpoints = root / "checkpoints"

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from bapo_nemo.nemo.packing import install_packed_width_guard
     from bapo_nemo.nemo.seams import WORKER_WATCH, SeamError
     from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
-    from bapo_nemo.nemo.stop_signal import patch_grpo_timeout_checker
+    from bapo_nemo.nemo.stop_signal import early_stop_reached, patch_grpo_timeout_checker
     from bapo_nemo.nemo.token_versions import TokenVersions, needs_token_versions
     from bapo_nemo.nemo.worker_watch import (
         FailureReport,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         newest_checkpoint_text,
         resumed_step,
     )
-    from bapo_nemo.tracking.nemo_rl import after_setup, prepare_logger_config
+    from bapo_nemo.tracking.nemo_rl import after_setup, finish_nemo_tracking, prepare_logger_config
 
     config = load_config(args, overrides)
     try:
@@ -344,13 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         hooks = attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook)
     elif partial_hook is not None:
         partial_hook.attach(policy)
-    tracker = after_setup(master_config.model_dump(), logger)
+    resumed = resumed_step(grpo_state)  # the checkpoint setup() loaded (an intact one), 0 for a fresh run
+    tracker = after_setup(master_config.model_dump(), logger, resumed_step=resumed)
     warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 
     # A lost worker ends the run at once with one line (worker_watch.py); outermost, so that the line
     # names the checkpoint main's background finalisation completed on the way out.
-    steps = StepCounter(resumed_step(grpo_state))
+    steps = StepCounter(resumed)
     policy.train = steps.wrap(policy.train)
     workers = [] if WORKER_WATCH in off_path else (
         group_workers("policy worker", policy) + group_workers("generation worker", policy_generation))
@@ -404,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         hooks.check()  # the last checkpoints, now finalised
     if async_grpo is not None:
         watch.check(master_config)
+    # What no checkpoint covers is sent now (a failed run leaves it journaled for the next attempt); a run
+    # stopped to be requeued is KILLED until an attempt finishes it, as the one-machine trainer marks it.
+    finish_nemo_tracking(tracker, "KILLED" if early_stop_reached() else "FINISHED")
     return 0
 
 
