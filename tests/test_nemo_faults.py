@@ -199,6 +199,11 @@ def test_every_step_is_in_the_one_mlflow_run_exactly_once(faults):
         assert steps == list(range(1, STEPS + 1)), (key, steps)
     outage = faults["outage"]
     assert outage["up_at"] > outage["down_at"]
+    # kept, not sent: step 2 as the first attempt logged it before dying, step 7 as the attempt that skipped
+    # the damaged step_7 ran it again (the damaged checkpoint's step 7 had been sent)
+    (superseded,) = (faults["checkpoints"] / "mlflow_journal").glob("*.superseded.jsonl")
+    kept = {json.loads(line)["step"] for line in superseded.read_text().splitlines()}
+    assert {2, 7} <= kept, kept
 
 
 def test_what_an_attempt_generated_after_its_checkpoint_is_counted_as_regenerated(faults):

@@ -165,6 +165,7 @@ def skipping_damaged(manager_cls: type) -> type:
                 self._intact_cache = cached = (names, intact)
                 reported = self.__dict__.setdefault("_damaged", {})
                 for path, reason in damaged:
+                    self.__dict__.setdefault("_damaged_seen", set()).add(path)
                     if path not in reported:
                         reported[path] = reason
                         print(
@@ -198,6 +199,11 @@ def skipping_damaged(manager_cls: type) -> type:
                     )
             self._intact_cache = None
 
+        def damaged_through(self) -> int | None:
+            """The newest damaged step skipped at resume (its metrics were sent before it was damaged)."""
+            steps = [int(p.name.split("_")[1]) for p in self.__dict__.get("_damaged_seen", ())]
+            return max(steps, default=None)
+
         def unfinished_save(self) -> Path | None:
             """The `tmp_step_N` of this run's last save while it is not renamed yet."""
             saving = self.__dict__.get("_saving")
@@ -205,6 +211,11 @@ def skipping_damaged(manager_cls: type) -> type:
 
     IntactCheckpointManager.__qualname__ = IntactCheckpointManager.__name__ = f"Intact{manager_cls.__name__}"
     return IntactCheckpointManager
+
+
+def skipped_damaged_through(checkpointer: Any) -> int | None:
+    """The newest damaged checkpoint's step that `checkpointer` skipped at resume, or None."""
+    return getattr(checkpointer, "damaged_through", lambda: None)()
 
 
 def patch_grpo_checkpoint_manager(grpo_module: Any) -> None:

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl.utils.logger import get_next_experiment_dir
 
     from bapo_nemo.nemo.async_end import AsyncLoopWatch
-    from bapo_nemo.nemo.checkpoint_integrity import patch_grpo_checkpoint_manager
+    from bapo_nemo.nemo.checkpoint_integrity import patch_grpo_checkpoint_manager, skipped_damaged_through
     from bapo_nemo.nemo.deadline import apply_job_deadline
     from bapo_nemo.nemo.installed import async_settings, checkpointer_scope, save_state_value
     from bapo_nemo.nemo.packing import install_packed_width_guard
@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     elif partial_hook is not None:
         partial_hook.attach(policy)
     resumed = resumed_step(grpo_state)  # the checkpoint setup() loaded (an intact one), 0 for a fresh run
-    tracker = after_setup(master_config.model_dump(), logger, resumed_step=resumed)
+    tracker = after_setup(master_config.model_dump(), logger, resumed_step=resumed,
+                          sent_through=skipped_damaged_through(checkpointer))
     warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 

@@ -176,6 +176,7 @@ class MlflowTracker:
         self.sendable_step = sendable_step
         self._sendable_up_to: int | None = None  # the gate's newest answer (None: not asked yet)
         self._holding = sendable_step is not None
+        self._already_sent_steps = range(0)  # set_aside_steps_already_sent
         self._lock = threading.RLock()  # NeMo-RL's GPU monitor logs from its own thread
         self._offline_until = 0.0
         self._finished = False
@@ -233,7 +234,10 @@ class MlflowTracker:
                 raise TypeError(f"metric {key!r} at step {step} is not a number: {value!r}") from exc
         if values:
             record = {"kind": "metrics", "step": int(step), "timestamp": timestamp, "metrics": values}
-            self._journal(record if gated else {**record, "ungated": True})
+            with self._lock:
+                self._journal(record if gated else {**record, "ungated": True})
+                if gated and int(step) in self._already_sent_steps:
+                    self.journal.set_aside(lambda r: r is self.journal.pending[-1])
             self._send_pending()
 
     def log_tags(self, tags: Mapping[str, str]) -> None:
@@ -314,6 +318,12 @@ class MlflowTracker:
                 return []
             return self.journal.set_aside(
                 lambda r: r["kind"] == "metrics" and not r.get("ungated") and r["step"] > step)
+
+    def set_aside_steps_already_sent(self, first: int, last: int) -> None:
+        """Metric records of training steps ``first``..``last`` logged from now on go to
+        ``<run_id>.superseded.jsonl`` (kept), not to MLflow: an earlier attempt sent those steps, and this
+        one runs them again (their checkpoint was found damaged), so sending both would log them twice."""
+        self._already_sent_steps = range(first, last + 1)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Mark the run terminated (FINISHED, FAILED, KILLED) after replaying the journal."""

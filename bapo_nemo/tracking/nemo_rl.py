@@ -214,7 +214,8 @@ def find_mlflow_logger(nemo_logger: Any) -> Any:
     )
 
 
-def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = None) -> MlflowTracker:
+def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = None,
+                sent_through: int | None = None) -> MlflowTracker:
     """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
     route the logger's metrics through the outage-proof journal. Returns the run's tracker (for tags the
     driver adds later, and for :func:`finish_nemo_tracking`).
@@ -223,7 +224,9 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
     (a resumed attempt runs the later steps again, and MLflow cannot delete a logged point), and the
     journal lives in ``<checkpoint_dir>/mlflow_journal``. ``resumed_step`` is the step of the checkpoint
     setup() loaded (0 for a fresh run); None reads it from the checkpoint directory, which at this point
-    holds exactly what setup() resumed from. Journaled records of later steps are set aside."""
+    holds exactly what setup() resumed from. Journaled records of later steps are set aside.
+    ``sent_through``: the newest checkpoint's step when setup() skipped damaged ones; the steps after
+    ``resumed_step`` up to it are in MLflow already, and their new records are kept aside, not sent again."""
     config = _as_dict(master_config)
     mlflow_cfg = config["logger"]["mlflow"]
     backend = find_mlflow_logger(nemo_logger)
@@ -241,6 +244,12 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
         if resumed_step is None:
             resumed_step = newest_checkpoint_step(checkpoint_dir) or 0
         _set_aside_steps_run_again(tracker, resumed_step)
+        if sent_through is not None and sent_through > resumed_step:
+            # A damaged newer checkpoint was skipped: its steps are in MLflow already and are run again.
+            tracker.set_aside_steps_already_sent(resumed_step + 1, sent_through)
+            log.warning("steps %d-%d are in MLflow already (their checkpoint step_%d was damaged): this attempt "
+                        "runs them again and keeps their new metrics in %s", resumed_step + 1, sent_through,
+                        sent_through, tracker.journal.superseded_path)
     bapo_block = (config.get("loss_fn") or {}).get("bapo")
     tags = {**default_tags(config), "bapo.runtime": "nemo_rl", "bapo.enabled": str(bool(bapo_block and
             bapo_block.get("enabled", True))).lower()}
