@@ -159,6 +159,9 @@ def rehearse(spec: dict, spec_path: Path) -> None:
     checkpoints = root / "checkpoints"
     tmpfs = mount_tmpfs(checkpoints)
     os.environ[DRIVER_PID_ENV] = str(os.getpid())
+    # A hang guard for the server's answers, not the outage's detection (a stopped server refuses at once):
+    # on a loaded 2-core machine its one worker took over 5 s, the product's default, to answer at set-up.
+    os.environ.update(MLFLOW_HTTP_REQUEST_TIMEOUT="120", MLFLOW_HTTP_REQUEST_MAX_RETRIES="2")
     server = MlflowServer(root / "mlflow")
     (root / "mlflow").mkdir(exist_ok=True)
     server.start()

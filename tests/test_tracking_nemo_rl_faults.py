@@ -240,3 +240,26 @@ def test_server_outage_during_a_run_through_nemo_rl_logger(tmp_path, template_db
     assert steps_of(client, run_id, "train/gen/mean") == [(n, 2.0) for n in range(1, 6)]
     assert client.get_run(run_id).info.status == "FINISHED"
     mlflow.end_run()  # NeMo-RL's fluent run, while the server still answers
+
+
+@pytest.mark.nemo_rl
+def test_a_server_lost_while_nemo_rl_sets_up_costs_nothing(tmp_path, template_db, server):
+    """NeMo-RL's set-up logs its config and its `timing/setup` metrics straight to MLflow (before the
+    journal exists). With the server gone for those calls, set-up goes on; after it the params and the
+    step-0 metrics go through the journal and arrive once the server is back."""
+    import mlflow
+    from nemo_rl.utils.logger import Logger
+
+    config = attempt_config(tmp_path, template_db, 1, tracking_uri=server.uri)
+    nemo_logger = Logger(config["logger"])  # NeMo-RL's logger starts its run: it needs the server
+    server.stop()
+    nemo_logger.log_hyperparams({"policy": {"model_name": "tiny"}, "grpo": {"seed": 7}})
+    nemo_logger.log_metrics({"policy_init": 8.25}, 0, prefix="timing/setup")
+    server.start()
+    tracker = after_setup(config, nemo_logger)
+    assert finish_nemo_tracking(tracker) == [0]  # no checkpoint covered step 0 yet: it waited until the end
+    client = MlflowClient(server.uri)
+    params = client.get_run(tracker.run_id).data.params
+    assert params["policy.model_name"] == "tiny" and params["grpo.seed"] == "7"
+    assert steps_of(client, tracker.run_id, "timing/setup/policy_init") == [(0, 8.25)]
+    mlflow.end_run()

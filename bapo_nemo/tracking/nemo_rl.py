@@ -38,9 +38,11 @@ from typing import Any
 
 from bapo_nemo.tracking.filesystems import network_filesystem
 from bapo_nemo.tracking.mlflow_tracker import (
+    _PERMANENT_ERRORS,
     HTTP_ENV_DEFAULTS,
     MlflowTracker,
     TrackingConfigError,
+    _error_code,
     _is_remote,
     _sqlite_artifact_root,
     check_tracking_uri,
@@ -190,17 +192,48 @@ def _redact_nemo_rl_hyperparams() -> None:
         flat = nemo_logger_module.flatten_dict(redact_nested(params))  # what v0.7.0 logs (logger.py:913)
         import mlflow  # the tracking URI is the one v0.7.0's MLflowLogger set
 
-        logged = mlflow.get_run(self.run_id).data.params if self.run_id else {}
-        changed = sorted(k for k in flat if k in logged and str(flat[k])[:6000] != logged[k])
-        if changed:
-            log.warning("resumed MLflow run %s keeps its first values for %d changed params: %s",
-                        self.run_id, len(changed), ", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""))
-        fresh = {k: v for k, v in flat.items() if k not in logged}
-        if fresh:
-            original(self, fresh)  # flat keys flatten to themselves
+        try:
+            _log_new_hyperparams(self, flat, mlflow, original)
+        except Exception as exc:
+            if _error_code(exc) in _PERMANENT_ERRORS:
+                raise
+            log.warning("MLflow server unreachable while NeMo-RL logs its config (%s); the params are journaled "
+                        "once set-up is done", redact_text(str(exc).splitlines()[0][:200]))
+            _SETUP_BACKLOG["params"].update(flat)
 
     log_hyperparams._bapo_redacting = True
     cls.log_hyperparams = log_hyperparams
+
+    original_log_metrics = cls.log_metrics
+
+    def log_metrics(self, metrics, step, *args, **kwargs):  # set-up's own (after it: journaled, see after_setup)
+        try:
+            original_log_metrics(self, metrics, step, *args, **kwargs)
+        except Exception as exc:
+            if _error_code(exc) in _PERMANENT_ERRORS:
+                raise
+            log.warning("MLflow server unreachable while NeMo-RL sets up (%s); step %s's metrics are journaled once "
+                        "set-up is done", redact_text(str(exc).splitlines()[0][:200]), step)
+            _SETUP_BACKLOG["metrics"].append((metrics, step, args, kwargs))
+
+    cls.log_metrics = log_metrics
+
+
+# What NeMo-RL's set-up sent to MLflow directly and the server did not take (down, or slower than the short
+# HTTP timeout): journaled by after_setup, so a slow server at start-up no longer ends the job.
+_SETUP_BACKLOG: dict[str, Any] = {"params": {}, "metrics": []}
+
+
+def _log_new_hyperparams(backend, flat: dict, mlflow, original) -> None:
+    """Only the keys the run does not have yet (a resumed run keeps its first values)."""
+    logged = mlflow.get_run(backend.run_id).data.params if backend.run_id else {}
+    changed = sorted(k for k in flat if k in logged and str(flat[k])[:6000] != logged[k])
+    if changed:
+        log.warning("resumed MLflow run %s keeps its first values for %d changed params: %s",
+                    backend.run_id, len(changed), ", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""))
+    fresh = {k: v for k, v in flat.items() if k not in logged}
+    if fresh:
+        original(backend, fresh)  # flat keys flatten to themselves
 
 
 def find_mlflow_logger(nemo_logger: Any) -> Any:
@@ -254,7 +287,9 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
     tags = {**default_tags(config), "bapo.runtime": "nemo_rl", "bapo.enabled": str(bool(bapo_block and
             bapo_block.get("enabled", True))).lower()}
     # NeMo-RL already logged the (now redacted) config as params; ours only adds keys it did not write.
-    tracker.start({"bapo": bapo_block} if bapo_block else {}, tags)
+    # NeMo-RL's params that set-up could not send go through the journal (start() logs only new keys).
+    backlog_params, _SETUP_BACKLOG["params"] = _SETUP_BACKLOG["params"], {}
+    tracker.start({**backlog_params, **({"bapo": bapo_block} if bapo_block else {})}, tags)
     _log_config_artifact(tracker, config, log_dir)
 
     if checkpoint_dir is not None:
@@ -264,6 +299,9 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
                                                  "experiment_name": mlflow_cfg["experiment_name"]}), indent=2))
         os.replace(tmp, checkpoint_dir / RUN_FILE)
     _journal_logger_metrics(backend, tracker)
+    backlog_metrics, _SETUP_BACKLOG["metrics"] = _SETUP_BACKLOG["metrics"], []
+    for metrics, step, args, kwargs in backlog_metrics:
+        backend.log_metrics(metrics, step, *args, **kwargs)
     return tracker
 
 

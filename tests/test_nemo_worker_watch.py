@@ -1,0 +1,121 @@
+"""The worker watch (bapo_nemo/nemo/worker_watch.py) on a real local Ray: a worker process killed while the
+driver waits on a live, busy worker ends the wait at once with one line naming the dead one; so does Ray's
+own error when the dead worker's result comes first. The workers are plain Ray actors standing in for
+NeMo-RL's (what the watch reads of them is their handle and rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from bapo_nemo.nemo.worker_watch import (
+    WORKER_LOST_EXIT,
+    FailureReport,
+    RunFailure,
+    StepCounter,
+    Worker,
+    WorkerWatch,
+    death_cause,
+)
+
+BUSY_S = 600  # the live worker's call: far longer than any test may wait
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote
+class Rank:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return 1
+
+
+def two_ranks_one_dead():
+    """Two workers; the second's process SIGKILLed (a lost GPU or node) before the driver waits."""
+    live, dead = Rank.remote(), Rank.remote()
+    pid = ray.get(dead.pid.remote())
+    workers = [Worker("policy worker", 0, 2, 0, live), Worker("policy worker", 1, 2, 0, dead)]
+    os.kill(pid, signal.SIGKILL)
+    return workers, live, dead, pid
+
+
+def wait_for(workers, refs, poll_s: float, capsys) -> tuple[int, float, str]:
+    steps, report = StepCounter(resumed_step=3), FailureReport(lambda: "/ckpt/step_3")
+    started = time.monotonic()
+    with (
+        pytest.raises(SystemExit) as ended,
+        WorkerWatch(workers, steps, report, poll_s=poll_s) as watch,
+        RunFailure(workers, watch, steps, report),
+    ):
+        ray.get(refs)
+    return ended.value.code, time.monotonic() - started, capsys.readouterr().err.strip()
+
+
+def test_a_dead_rank_behind_a_busy_one_is_seen_by_the_watch(local_ray, capsys):
+    """The driver waits on rank 0's result (busy for 10 minutes); rank 1 is dead. Only the watch can end
+    this wait: its liveness call to rank 1 fails, it interrupts the wait, and the run ends with one line."""
+    workers, live, dead, pid = two_ranks_one_dead()
+    code, waited, err = wait_for(workers, [live.work.remote(BUSY_S), dead.work.remote(1)], poll_s=0.5, capsys=capsys)
+    assert code == WORKER_LOST_EXIT
+    assert waited < BUSY_S / 2  # a hang guard: the busy call would have held it for BUSY_S
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: policy worker 1 of 2 on node 0 died during step 4 (pid {pid} on ")
+    assert line.endswith("newest complete checkpoint: /ckpt/step_3. Rerun the same command to resume from it "
+                         "(a requeue does) once the node is back or replaced")
+
+
+def test_rays_own_error_for_the_dead_rank_names_it_by_its_actor_id(local_ray, capsys):
+    """The dead rank's result first: Ray raises ActorDiedError in the wait before the watch polls again
+    (its poll interval is longer than the test): the line still names the rank, matched by actor id."""
+    workers, live, dead, pid = two_ranks_one_dead()
+    code, _, err = wait_for(workers, [dead.work.remote(1), live.work.remote(1)], poll_s=BUSY_S, capsys=capsys)
+    assert code == WORKER_LOST_EXIT
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: policy worker 1 of 2 on node 0 died during step 4 (pid {pid} on ")
+
+
+def test_other_failures_keep_their_traceback_and_an_explainer_gives_its_own_line(local_ray, capsys):
+    workers = [Worker("policy worker", 0, 1, 0, Rank.remote())]
+    steps, report = StepCounter(0), FailureReport(lambda: "none")
+    with (
+        pytest.raises(ValueError, match="a bug"),
+        WorkerWatch(workers, steps, report) as watch,
+        RunFailure(workers, watch, steps, report),
+    ):
+        raise ValueError("a bug")
+    disk_full = lambda exc: ("error: the disk is full", 74) if isinstance(exc, OSError) else None
+    with (
+        pytest.raises(SystemExit) as ended,
+        WorkerWatch(workers, steps, report) as watch,
+        RunFailure(workers, watch, steps, report, [disk_full]),
+    ):
+        raise OSError(28, "No space left on device")
+    assert ended.value.code == 74 and capsys.readouterr().err.strip() == "error: the disk is full"
+
+
+def test_the_step_counts_finished_trains_from_the_resumed_step():
+    steps = StepCounter(resumed_step=5)
+    train = steps.wrap(lambda: "trained")
+    assert steps.current == 6
+    assert train() == "trained" and steps.current == 7
+
+
+def test_death_cause_reads_rays_message():
+    message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: Rank\n\tpid: 4242\n\tip: 10.0.0.7\n"
+               "The actor is dead because its worker process has died. Worker exit type: NODE_DIED Worker exit detail: "
+               "the node was lost. Some common causes include: ...")
+    assert death_cause(RuntimeError(message)) == "pid 4242 on 10.0.0.7, its process ended: NODE_DIED, the node was lost"
+    assert death_cause(RuntimeError("The actor is dead.")) == "The actor is dead"
