@@ -2,19 +2,18 @@
 `python -m tests.nemo_fault_rehearsal_run SPEC.json` (tests/test_nemo_faults.py starts it and reads back
 what it writes; a process of its own for the reason tests/nemo_megatron_rehearsal_run.py gives).
 
-One Ray head, one MLflow server and one checkpoint directory serve every attempt; each attempt is the same
-command (`python -m bapo_nemo.train --config CONFIG`) as a requeue would run it, with one fault injected at
-a point the run reaches by construction (tests/nemo_faults.py for the workers' points; the driver's points
-are its Nth `Policy.train` call):
+One Ray head, one MLflow server and one checkpoint directory (a small tmpfs) serve every attempt; each
+attempt is the same command (`python -m bapo_nemo.train --config CONFIG`) as a requeue would run it, with
+faults injected at points the run reaches by construction (tests/nemo_faults.py for the workers' points; the
+driver's points are its Nth `Policy.train` call). Five attempts, every later one resuming:
 
-  1 policy worker 1 SIGKILLed in the middle of its 2nd train()          -> step 2 lost
-  2 a generation worker SIGKILLed mid-batch, armed at the 1st train     -> step 3 lost
-  3 the MLflow server down from the 1st train to the 3rd; SIGUSR1 sent by policy worker 0 while it writes
-    the checkpoint after the 3rd train                                   -> stops after the next step
-  4 the driver SIGKILLed (a lost node) at its 2nd train, in a process of its own
-  5 the newest checkpoint damaged before the start (a shard cut to half); the checkpoint disk (a small
-    tmpfs) filled at the 2nd train                                      -> that step's save fails
-  6 space freed: the same command finishes the run
+  1 policy worker 1 SIGKILLed in the middle of its 2nd train()                     -> step 2 lost
+  2 a generation worker SIGKILLed mid-batch, armed at the 1st train               -> step 3 lost
+  3 the newest checkpoint (step_2) damaged before the start (a shard cut to half): resumes from step_1;
+    the checkpoint disk (a small tmpfs) filled at the 2nd train                     -> step 3's save fails
+  4 space freed; the driver SIGKILLed (a lost node) at its 2nd train, in a process of its own
+  5 the MLflow server down from the 1st train to the 2nd; SIGUSR1 sent by policy worker 0 while it writes
+    the checkpoint after the 1st train                                              -> stops after the next step
 
 SPEC.json: {"root", "config", "num_gpus"}. Writes root/attempts.json: per attempt its exit code, seconds,
 the lines it printed that start with "error:" or name a damaged checkpoint or a regeneration, and the
@@ -133,7 +132,7 @@ def outcome(root: Path, name: str, rc: int, started: float, stderr: str, train_c
 
 
 def driver_in_its_own_process(root: Path, spec_path: Path, uri: str, record: list) -> None:
-    """Attempt 4: the driver SIGKILLs itself at its 2nd train call (the process a lost node takes)."""
+    """The driver SIGKILLs itself at its 2nd train call (the process a lost node takes)."""
     started = time.time()
     log = root / "attempt4.log"
     with log.open("w") as out:
@@ -177,32 +176,29 @@ def rehearse(spec: dict, spec_path: Path) -> None:
             attempt(root, config, server.uri, calls, "generation worker killed",
                     {"at": "generation.generate", "armed_by": str(arm), "do": "kill", "marker": marker("generation")},
                     {1: arm.touch}, record)
-            arm_stop = root / "arm_stop"
-            outage: dict = {}
-
-            def server_down():
-                server.stop()
-                outage["down_at"] = time.time()
-
-            def server_up_and_arm_stop():
-                server.start()
-                outage["up_at"] = time.time()
-                arm_stop.touch()
-
-            attempt(root, config, server.uri, calls, "mlflow outage, SIGUSR1 during a save",
-                    {"at": "policy.save_checkpoint", "rank": 0, "armed_by": str(arm_stop), "do": "stop_driver",
-                     "marker": marker("stop")}, {1: server_down, 3: server_up_and_arm_stop}, record)
-            facts["outage"] = outage
-            driver_in_its_own_process(root, spec_path, server.uri, record)
             facts["damaged"] = damage_newest(checkpoints)
             filled: dict = {}
             disk_full = (lambda: filled.setdefault("filler", str(fill_disk(checkpoints)))) if tmpfs == "mounted" else (
                 lambda: None)
-            attempt(root, config, server.uri, calls, "damaged newest checkpoint, disk full", None, {2: disk_full},
-                    record)
+            attempt(root, config, server.uri, calls, "damaged newest, disk full", None, {2: disk_full}, record)
             if filled:
                 Path(filled["filler"]).unlink()
-            attempt(root, config, server.uri, calls, "space freed", None, {}, record)
+            driver_in_its_own_process(root, spec_path, server.uri, record)
+            arm_stop, outage = root / "arm_stop", {}
+
+            def server_down_and_arm_stop():
+                server.stop()
+                outage["down_at"] = time.time()
+                arm_stop.touch()
+
+            def server_up():
+                server.start()
+                outage["up_at"] = time.time()
+
+            attempt(root, config, server.uri, calls, "mlflow outage, SIGUSR1 during a save",
+                    {"at": "policy.save_checkpoint", "rank": 0, "armed_by": str(arm_stop), "do": "stop_driver",
+                     "marker": marker("stop")}, {1: server_down_and_arm_stop, 2: server_up}, record)
+            facts["outage"] = outage
     finally:
         server.stop()
         (root / "attempts.json").write_text(json.dumps({"attempts": record, **facts}, indent=1))
