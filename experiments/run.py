@@ -112,7 +112,7 @@ def warmup_ready(path: Path) -> bool:
 def ensure_store(root: Path, mode: str, study: str) -> None:
     from mlflow.tracking import MlflowClient  # slow import: only when runs are about to start
 
-    from bapo_nemo.tracking.mlflow_tracker import store_lock
+    from bapo_nemo.tracking.store import store_lock
 
     sdir = study_dir(root, mode, study)
     sdir.mkdir(parents=True, exist_ok=True)

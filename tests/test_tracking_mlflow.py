@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from bapo_nemo.tracking.mlflow_tracker import (
-    EXPERIMENT_KIND_TAG,
-    MlflowTracker,
-    TrackingConfigError,
-    TrackingUnavailableError,
-)
+from bapo_nemo.tracking.mlflow_tracker import EXPERIMENT_KIND_TAG, MlflowTracker
 from bapo_nemo.tracking.redact import REDACTED, flatten, is_secret_key
+from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 from bapo_nemo.tracking.tags import config_hash, default_tags
 from tests.mlflow_server import MlflowServer
 from tests.ports import free_port

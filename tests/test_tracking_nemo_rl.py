@@ -13,9 +13,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError
 from bapo_nemo.tracking.nemo_rl import RUN_FILE, after_setup, prepare_logger_config
 from bapo_nemo.tracking.redact import REDACTED
+from bapo_nemo.tracking.store import TrackingConfigError
 
 
 def v070_config(tmp_path: Path, **mlflow) -> dict:

@@ -15,8 +15,8 @@ from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import config_keys
 from bapo_nemo.embedded.config import RunConfig, deep_merge
 from bapo_nemo.embedded.run_log import LOGGER
-from bapo_nemo.tracking.mlflow_tracker import sqlite_path
 from bapo_nemo.tracking.redact import redact_nested, redact_text
+from bapo_nemo.tracking.store import sqlite_path
 
 log = logging.getLogger(LOGGER)
 

@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.run_summary import summary_record, summary_text
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import train
-    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError, TrackingUnavailableError
+    from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
                    TrackingUnavailableError)

@@ -17,8 +17,8 @@ def register_export(result: ExportResult, name: str, tracking_uri: str, artifact
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from bapo_nemo.tracking.mlflow_tracker import check_tracking_uri
     from bapo_nemo.tracking.redact import redact_text
+    from bapo_nemo.tracking.store import check_tracking_uri
 
     client = MlflowClient(tracking_uri=check_tracking_uri(tracking_uri), registry_uri=tracking_uri)
     run_id = result.run_id

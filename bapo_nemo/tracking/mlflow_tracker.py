@@ -24,7 +24,6 @@ runs starting at once never run MLflow's schema migrations into one file togethe
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -32,25 +31,24 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from bapo_nemo.tracking.journal import Journal
 from bapo_nemo.tracking.redact import flatten_and_redact, redact, redact_nested, redact_text
+from bapo_nemo.tracking.store import (
+    HTTP_ENV_DEFAULTS,
+    TrackingConfigError,
+    TrackingUnavailableError,
+    check_tracking_uri,
+    is_remote,
+    sqlite_artifact_root,
+    store_lock,
+)
 
 log = logging.getLogger(__name__)
 
-# Short HTTP timeouts so a dead tracking server costs seconds, not MLflow's default ~4 minutes of
-# retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES=7, MLFLOW_HTTP_REQUEST_TIMEOUT=120 in mlflow 3.x). Only set
-# when the user has not chosen values; the journal makes retries inside MLflow unnecessary.
-HTTP_ENV_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-}
 # MLflow error codes that mean "this record will never be accepted", as opposed to an outage.
 _PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
 _METRICS_PER_BATCH = 1000  # MLflow log_batch limits
@@ -64,71 +62,6 @@ _PROGRESS_MIN_RECORDS = 200
 # prints carries that parameter.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_EXPERIMENT_KIND = "custom_model_development"
-
-
-class TrackingConfigError(ValueError):
-    """The tracking URI or experiment cannot be used; the message says what to use instead."""
-
-
-class TrackingUnavailableError(RuntimeError):
-    """A new run could not be created because the tracking server is unreachable."""
-
-
-def check_tracking_uri(tracking_uri: str) -> str:
-    """Accept ``sqlite:///path.db``, ``http(s)://host:port``, ``databricks``/``postgresql``/``mysql``; refuse a
-    plain file store: metric names such as ``reward/mean`` become nested paths there and MLflow 3 refuses
-    it by default. For a URI with a password, MLflow's printing of run URLs is turned off."""
-    if not tracking_uri or not isinstance(tracking_uri, str):
-        raise TrackingConfigError("tracking_uri is empty: use sqlite:///<dir>/mlflow.db or http://<host>:<port>")
-    scheme = urlparse(tracking_uri).scheme
-    if scheme in ("", "file") or (len(scheme) == 1 and tracking_uri[1:3] == ":\\"):
-        raise TrackingConfigError(
-            f"tracking_uri {redact_text(tracking_uri)!r} is a plain file store, which breaks on metric names containing "
-            "'/' (e.g. reward/mean) and is refused by MLflow 3: use sqlite:///<dir>/mlflow.db (no server "
-            "needed) or the URL of an MLflow server, e.g. http://127.0.0.1:5000"
-        )
-    if scheme == "sqlite" and not tracking_uri.startswith("sqlite:///"):
-        raise TrackingConfigError(f"tracking_uri {redact_text(tracking_uri)!r}: write sqlite URIs as "
-                                  "sqlite:///<path>.db")
-    if redact_text(tracking_uri) != tracking_uri:  # MLflow prints "View run ... at: <URL with the password>"
-        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    return tracking_uri
-
-
-def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI, else None."""
-    return Path(tracking_uri[len("sqlite:///"):]).expanduser() if tracking_uri.startswith("sqlite:///") else None
-
-
-@contextmanager
-def store_lock(tracking_uri: str) -> Iterator[None]:
-    """Hold an exclusive flock on ``<db>.lock`` beside a sqlite store (nothing for a server). MLflow creates
-    a new store's tables and runs its schema migrations in whichever process opens the file first; two
-    doing it at once can leave it half-migrated for every later run, so they take turns here."""
-    db = sqlite_path(tracking_uri)
-    if db is None:
-        yield
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _is_remote(tracking_uri: str) -> bool:
-    return urlparse(tracking_uri).scheme in ("http", "https", "databricks")
-
-
-def _sqlite_artifact_root(tracking_uri: str, experiment_name: str) -> str | None:
-    """Without a server, MLflow puts artifacts in ./mlruns of whatever the cwd is: keep them next to the db."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    db_path = Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment_name)
-    return (db_path.parent / "mlartifacts" / safe).as_uri()
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -165,7 +98,7 @@ class MlflowTracker:
         self.experiment_id: str | None = None  # known once start() reached the store
         self.buffer_dir = Path(buffer_dir) if buffer_dir is not None else Path.cwd() / ".bapo_mlflow_buffer"
         self.retry_interval_s = retry_interval_s
-        if _is_remote(self.tracking_uri):
+        if is_remote(self.tracking_uri):
             for var, value in HTTP_ENV_DEFAULTS.items():
                 os.environ.setdefault(var, value)
         from mlflow.tracking import MlflowClient
@@ -366,7 +299,7 @@ class MlflowTracker:
             try:
                 return self.client.create_experiment(
                     self.experiment_name,
-                    artifact_location=_sqlite_artifact_root(self.tracking_uri, self.experiment_name),
+                    artifact_location=sqlite_artifact_root(self.tracking_uri, self.experiment_name),
                     tags={EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT_KIND},
                 )
             except Exception as exc:

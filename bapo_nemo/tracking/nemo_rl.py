@@ -37,17 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from bapo_nemo.tracking.filesystems import network_filesystem
-from bapo_nemo.tracking.mlflow_tracker import (
-    _PERMANENT_ERRORS,
-    HTTP_ENV_DEFAULTS,
-    MlflowTracker,
-    TrackingConfigError,
-    _error_code,
-    _is_remote,
-    _sqlite_artifact_root,
-    check_tracking_uri,
-)
+from bapo_nemo.tracking.mlflow_tracker import _PERMANENT_ERRORS, MlflowTracker, _error_code
 from bapo_nemo.tracking.redact import redact_nested, redact_text
+from bapo_nemo.tracking.store import (
+    HTTP_ENV_DEFAULTS,
+    TrackingConfigError,
+    check_tracking_uri,
+    is_remote,
+    sqlite_artifact_root,
+)
 from bapo_nemo.tracking.tags import default_tags
 
 log = logging.getLogger(__name__)
@@ -149,10 +147,10 @@ def prepare_logger_config(master_config: dict) -> dict:
         mlflow_cfg["run_name"] = checkpoint_dir.name if checkpoint_dir else None
     if not mlflow_cfg.get("artifact_location"):
         # v0.7.0 falls back to the driver's log_dir, which with a server strands artifacts on one node.
-        if _is_remote(uri):
+        if is_remote(uri):
             mlflow_cfg["artifact_location"] = f"mlflow-artifacts:/{mlflow_cfg['experiment_name']}"
         else:
-            mlflow_cfg["artifact_location"] = _sqlite_artifact_root(uri, mlflow_cfg["experiment_name"])
+            mlflow_cfg["artifact_location"] = sqlite_artifact_root(uri, mlflow_cfg["experiment_name"])
 
     checkpoint_dir = _checkpoint_dir(config)
     if not mlflow_cfg.get("run_id") and checkpoint_dir is not None and _has_checkpoint(checkpoint_dir):
@@ -166,7 +164,7 @@ def prepare_logger_config(master_config: dict) -> dict:
     logger_cfg["mlflow"] = mlflow_cfg
     config["logger"] = logger_cfg
 
-    if _is_remote(uri):
+    if is_remote(uri):
         for var, value in HTTP_ENV_DEFAULTS.items():
             os.environ.setdefault(var, value)
     _redact_nemo_rl_hyperparams()

@@ -402,9 +402,9 @@ def build_report(tracking_uri: str, experiment_name: str, runs: list[str] | None
     from mlflow.tracking import MlflowClient
     from tqdm import tqdm
 
-    from bapo_nemo.tracking.mlflow_tracker import HTTP_ENV_DEFAULTS, _is_remote, check_tracking_uri
+    from bapo_nemo.tracking.store import HTTP_ENV_DEFAULTS, check_tracking_uri, is_remote
 
-    if _is_remote(check_tracking_uri(tracking_uri)):
+    if is_remote(check_tracking_uri(tracking_uri)):
         for var, value in HTTP_ENV_DEFAULTS.items():  # fail in seconds, not minutes, when the server is down
             os.environ.setdefault(var, value)
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():

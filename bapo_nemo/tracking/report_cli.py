@@ -41,8 +41,8 @@ def default_out_dir(tracking_uri: str, experiment: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bapo_nemo.tracking.mlflow_tracker import TrackingConfigError
     from bapo_nemo.tracking.report import ReportError, build_report
+    from bapo_nemo.tracking.store import TrackingConfigError
 
     if not args.tracking_uri:
         print("bapo-nemo report: error: no tracking URI: pass --tracking-uri (e.g. sqlite:///runs/x/mlflow.db) "
