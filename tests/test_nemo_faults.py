@@ -192,9 +192,11 @@ def test_every_resume_starts_from_exactly_what_its_checkpoint_saved(faults):
 
 def test_every_step_is_in_the_one_mlflow_run_exactly_once(faults):
     """Five attempts, steps lost and run again, the server down during step 4's training and checkpoint: one
-    MLflow run, every step of every train metric logged once. Kept aside instead of sent: step 2 as the first
-    attempt logged it before dying, and again as the attempt that skipped the damaged step_2 ran it (the
-    damaged one's had been sent)."""
+    MLflow run, every step of every train metric logged once. Kept aside instead of sent: what an attempt
+    logged of a step no checkpoint of its completed (steps 2, 3 and 4, before the first three ends), and
+    step 2 as the attempt that skipped the damaged step_2 ran it again (the attempt that completed step_2
+    logged it: on main its last records were still journaled, waiting for the background rename, when
+    that attempt died, and went out with the next one)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{faults['root'] / 'mlflow' / 'server.db'}")

@@ -181,6 +181,42 @@ def test_requeued_attempt_sets_aside_the_steps_it_runs_again(tmp_path, template_
     assert aside["step"] == 5 and aside["metrics"] == {"train/reward": 5.1}
 
 
+def test_steps_of_a_checkpoint_found_damaged_stay_as_the_attempt_that_completed_it_logged_them(tmp_path, template_db):
+    """Attempt 1 completes step_2 (its train metrics still journaled: main renames late) and dies in step 3.
+    step_2 is then found damaged: attempt 2 resumes from step_1 and runs step 2 again. MLflow keeps attempt
+    1's step 2 (its journaled records go out now), attempt 2's step 2 is kept aside; step 3 is attempt 2's."""
+    first = attempt_config(tmp_path, template_db, 1)
+    logger_1 = StandInLogger(first["logger"])
+    tracker_1 = after_setup(first, logger_1, resumed_step=0)
+    backend, run_id = logger_1.loggers[0], logger_1.loggers[0].run_id
+    for number in (1, 2):
+        backend.log_metrics({"reward": number + 0.1}, number, prefix="train")
+        checkpoint(first, number, complete=number == 1)  # step_2's rename still to come
+        backend.log_metrics({"loss": -number - 0.1}, number, prefix="train")
+    backend.log_metrics({"reward": 3.1}, 3, prefix="train")
+    complete(first, 2)  # the rename lands; the process dies before its next log call
+    client = MlflowClient(first["logger"]["mlflow"]["tracking_uri"])
+    assert steps_of(client, run_id, "train/loss") == [(1, -1.1)]
+    del tracker_1, backend, logger_1
+
+    second = attempt_config(tmp_path, template_db, 2)
+    logger_2 = StandInLogger(second["logger"])
+    tracker_2 = after_setup(second, logger_2, resumed_step=1, logged_through=2)
+    assert steps_of(client, run_id, "train/loss") == [(1, -1.1), (2, -2.1)]  # attempt 1's, sent now
+    backend = logger_2.loggers[0]
+    for number in (2, 3):
+        backend.log_metrics({"reward": number + 0.2}, number, prefix="train")
+        if number == 3:  # step 2 was saved again (the damaged step_2 moved aside): step_2 stands
+            checkpoint(second, number)
+        backend.log_metrics({"loss": -number - 0.2}, number, prefix="train")
+    assert finish_nemo_tracking(tracker_2) == []
+    assert steps_of(client, run_id, "train/reward") == [(1, 1.1), (2, 2.1), (3, 3.2)]
+    assert steps_of(client, run_id, "train/loss") == [(1, -1.1), (2, -2.1), (3, -3.2)]
+    superseded = Path(first["checkpointing"]["checkpoint_dir"]) / JOURNAL_DIR / f"{run_id}.superseded.jsonl"
+    aside = [(r["step"], r["metrics"]) for r in map(json.loads, superseded.read_text().splitlines())]
+    assert aside == [(3, {"train/reward": 3.1}), (2, {"train/reward": 2.2}), (2, {"train/loss": -2.2})]
+
+
 def test_every_attempt_finds_the_journal_beside_the_checkpoints(tmp_path, template_db):
     first, second = (attempt_config(tmp_path, template_db, n) for n in (1, 2))
     assert first["logger"]["log_dir"] != second["logger"]["log_dir"]

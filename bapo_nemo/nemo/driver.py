@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         partial_hook.attach(policy)
     resumed = resumed_step(grpo_state)  # the checkpoint setup() loaded (an intact one), 0 for a fresh run
     tracker = after_setup(master_config.model_dump(), logger, resumed_step=resumed,
-                          sent_through=skipped_damaged_through(checkpointer))
+                          logged_through=skipped_damaged_through(checkpointer))
     warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
     apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
 

@@ -254,7 +254,7 @@ class MlflowTracker:
 
     def set_aside_steps_already_sent(self, first: int, last: int) -> None:
         """Metric records of training steps ``first``..``last`` logged from now on go to
-        ``<run_id>.superseded.jsonl`` (kept), not to MLflow: an earlier attempt sent those steps, and this
+        ``<run_id>.superseded.jsonl`` (kept), not to MLflow: an earlier attempt logged those steps, and this
         one runs them again (their checkpoint was found damaged), so sending both would log them twice."""
         self._already_sent_steps = range(first, last + 1)
 

@@ -246,7 +246,7 @@ def find_mlflow_logger(nemo_logger: Any) -> Any:
 
 
 def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = None,
-                sent_through: int | None = None) -> MlflowTracker:
+                logged_through: int | None = None) -> MlflowTracker:
     """Add our tags, params and artifacts to NeMo-RL's active MLflow run; keep its id with the checkpoints;
     route the logger's metrics through the outage-proof journal. Returns the run's tracker (for tags the
     driver adds later, and for :func:`finish_nemo_tracking`).
@@ -256,8 +256,8 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
     journal lives in ``<checkpoint_dir>/mlflow_journal``. ``resumed_step`` is the step of the checkpoint
     setup() loaded (0 for a fresh run); None reads it from the checkpoint directory, which at this point
     holds exactly what setup() resumed from. Journaled records of later steps are set aside.
-    ``sent_through``: the newest checkpoint's step when setup() skipped damaged ones; the steps after
-    ``resumed_step`` up to it are in MLflow already, and their new records are kept aside, not sent again."""
+    ``logged_through``: the step of the newest checkpoint setup() skipped as damaged; the attempt that completed
+    it logged its steps, so MLflow keeps those and this attempt's new records of them are kept aside."""
     config = _as_dict(master_config)
     mlflow_cfg = config["logger"]["mlflow"]
     backend = find_mlflow_logger(nemo_logger)
@@ -274,13 +274,15 @@ def after_setup(master_config: dict, nemo_logger, resumed_step: int | None = Non
     if checkpoint_dir is not None:
         if resumed_step is None:
             resumed_step = newest_checkpoint_step(checkpoint_dir) or 0
-        _set_aside_steps_run_again(tracker, resumed_step)
-        if sent_through is not None and sent_through > resumed_step:
-            # A damaged newer checkpoint was skipped: its steps are in MLflow already and are run again.
-            tracker.set_aside_steps_already_sent(resumed_step + 1, sent_through)
-            log.warning("steps %d-%d are in MLflow already (their checkpoint step_%d was damaged): this attempt "
-                        "runs them again and keeps their new metrics in %s", resumed_step + 1, sent_through,
-                        sent_through, tracker.journal.superseded_path)
+        # Steps up to a damaged newer checkpoint that setup() skipped were logged by the attempt that completed
+        # it (sent, or journaled and sent now): MLflow keeps those; this attempt's re-run of them is kept aside.
+        completed = max(resumed_step, logged_through or 0)
+        _set_aside_steps_run_again(tracker, completed)
+        if completed > resumed_step:
+            tracker.set_aside_steps_already_sent(resumed_step + 1, completed)
+            log.warning("steps %d-%d were logged by the attempt that completed step_%d (now damaged): this attempt "
+                        "runs them again and keeps its new metrics of them in %s", resumed_step + 1, completed,
+                        completed, tracker.journal.superseded_path)
     bapo_block = (config.get("loss_fn") or {}).get("bapo")
     tags = {**default_tags(config), "bapo.runtime": "nemo_rl", "bapo.enabled": str(bool(bapo_block and
             bapo_block.get("enabled", True))).lower()}
