@@ -106,6 +106,9 @@ XDIST_GROUPS = {
     # after the other: run beside a Megatron rehearsal on a 23 GB machine, Ray's memory monitor killed one
     # of its workers at 95% of memory.
     "test_nemo_async_rehearsal.py": "nemo-rl-megatron",
+    # The fault rehearsal (five driver attempts on a private head, ~5 Ray actors each) after them in the same
+    # worker: beside them it slowed both to 2-3x (a CI tier took 788 s instead of 454) on two cores.
+    "test_nemo_faults.py": "nemo-rl-megatron",
 }
 
 

@@ -119,3 +119,33 @@ def test_death_cause_reads_rays_message():
                "the node was lost. Some common causes include: ...")
     assert death_cause(RuntimeError(message)) == "pid 4242 on 10.0.0.7, its process ended: NODE_DIED, the node was lost"
     assert death_cause(RuntimeError("The actor is dead.")) == "The actor is dead"
+
+
+def test_workers_the_run_shuts_down_itself_are_no_death(local_ray):
+    """v0.7.0's async loop shuts its generation and policy workers down before it returns: through the
+    owner's shutdown, which the watch wraps, their end is not reported while it goes on watching the rest."""
+
+    class Owner:  # what the watch wraps: a NeMo-RL Policy's or VllmGeneration's shutdown()
+        def __init__(self, handle):
+            self.handle = handle
+
+        def shutdown(self):
+            ray.kill(self.handle)
+            return True
+
+    kept, ended = Rank.remote(), Rank.remote()
+    owner = Owner(ended)
+    workers = [Worker("policy worker", 0, 1, 0, kept), Worker("generation worker", 0, 1, 0, ended)]
+    steps, report = StepCounter(0), FailureReport(lambda: "none")
+    with WorkerWatch(workers, steps, report, poll_s=0.2) as watch:
+        watch.retire_on_shutdown(owner, workers[1:])
+        assert owner.shutdown() is True
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until Ray knows it is gone
+            try:
+                ray.get(ended.pid.remote(), timeout=1)
+            except Exception:  # noqa: BLE001 - any error: the actor is gone
+                break
+        time.sleep(1.0)  # five polls after Ray knows
+        assert watch.death is None
+        assert ray.get(kept.pid.remote()) > 0

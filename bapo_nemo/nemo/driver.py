@@ -354,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     # names the checkpoint main's background finalisation completed on the way out.
     steps = StepCounter(resumed)
     policy.train = steps.wrap(policy.train)
-    workers = [] if WORKER_WATCH in off_path else (
-        group_workers("policy worker", policy) + group_workers("generation worker", policy_generation))
+    watched = {} if WORKER_WATCH in off_path else {
+        "policy worker": policy, "generation worker": policy_generation}
+    groups = {kind: (owner, group_workers(kind, owner)) for kind, owner in watched.items()}
+    workers = [worker for _owner, group in groups.values() for worker in group]
     report = FailureReport(newest_checkpoint_text(master_config.checkpointing))
     explainers = [disk_full_explainer(master_config.checkpointing, checkpointer)] if checkpointing else []
     async_grpo = async_settings(master_config)
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         RunFailure(workers, worker_watch, steps, report, explainers),
         checkpointer_scope(checkpointer),  # main: flushes the background finalisation on the way out
     ):
+        for owner, group in groups.values():
+            if group:
+                worker_watch.retire_on_shutdown(owner, group)
         if async_grpo is not None:
             from nemo_rl.algorithms.grpo import async_grpo_train
 

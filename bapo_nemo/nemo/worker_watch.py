@@ -106,6 +106,7 @@ class WorkerWatch:
         self.workers, self.steps, self.report = list(workers), steps, report
         self.poll_s, self.grace_s = poll_s, grace_s
         self.death: Death | None = None
+        self._retired: set[Worker] = set()  # shut down on purpose: their end is no death
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bapo-worker-watch", daemon=True)
 
@@ -119,6 +120,17 @@ class WorkerWatch:
         if self._thread.is_alive():
             self._thread.join(timeout=self.poll_s + 5)
 
+    def retire_on_shutdown(self, owner: Any, workers: list[Worker]) -> None:
+        """`owner.shutdown()` (a Policy or VllmGeneration; v0.7.0's async loop shuts its workers down itself)
+        first tells the watch that `workers` end on purpose."""
+        shutdown = owner.shutdown
+
+        def retiring_shutdown(*args, **kwargs):
+            self._retired.update(workers)
+            return shutdown(*args, **kwargs)
+
+        owner.shutdown = retiring_shutdown
+
     def _run(self) -> None:
         import ray
 
@@ -126,7 +138,7 @@ class WorkerWatch:
         while not self._stop.is_set():
             watched = set(pending.values())
             for worker in self.workers:
-                if worker not in watched:
+                if worker not in watched and worker not in self._retired:
                     pending[worker.handle.__ray_ready__.remote()] = worker
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             for ref in ready:
@@ -134,7 +146,9 @@ class WorkerWatch:
                 try:
                     ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - a failed liveness call is a lost worker
-                    if not self._stop.is_set():  # not the run's own shutdown
+                    if worker in self._retired:  # shut down by the run itself
+                        continue
+                    if not self._stop.is_set():  # not the run's own end
                         self._lost(Death(worker, death_cause(exc), self.steps.current))
                     return
             self._stop.wait(self.poll_s)
