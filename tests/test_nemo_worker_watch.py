@@ -6,6 +6,7 @@ NeMo-RL's (what the watch reads of them is their handle and rank)."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -121,24 +122,30 @@ def test_death_cause_reads_rays_message():
     assert death_cause(RuntimeError("The actor is dead.")) == "The actor is dead"
 
 
+class Owner:
+    """What the watch wraps: a NeMo-RL Policy's or VllmGeneration's shutdown(), which ends its workers."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def shutdown(self):
+        ray.kill(self.handle)
+        return True
+
+
 def test_workers_the_run_shuts_down_itself_are_no_death(local_ray):
     """v0.7.0's async loop shuts its generation and policy workers down before it returns: through the
     owner's shutdown, which the watch wraps, their end is not reported while it goes on watching the rest."""
 
-    class Owner:  # what the watch wraps: a NeMo-RL Policy's or VllmGeneration's shutdown()
-        def __init__(self, handle):
-            self.handle = handle
-
-        def shutdown(self):
-            ray.kill(self.handle)
-            return True
-
     kept, ended = Rank.remote(), Rank.remote()
     owner = Owner(ended)
+    pickle.dumps(owner)  # async GRPO pickles the VllmGeneration: the watch leaves nothing on it
     workers = [Worker("policy worker", 0, 1, 0, kept), Worker("generation worker", 0, 1, 0, ended)]
     steps, report = StepCounter(0), FailureReport(lambda: "none")
     with WorkerWatch(workers, steps, report, poll_s=0.2) as watch:
         watch.retire_on_shutdown(owner, workers[1:])
+        assert "shutdown" not in vars(owner)
+        pickle.dumps(owner)
         assert owner.shutdown() is True
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until Ray knows it is gone

@@ -122,14 +122,11 @@ class WorkerWatch:
 
     def retire_on_shutdown(self, owner: Any, workers: list[Worker]) -> None:
         """`owner.shutdown()` (a Policy or VllmGeneration; v0.7.0's async loop shuts its workers down itself)
-        first tells the watch that `workers` end on purpose."""
-        shutdown = owner.shutdown
-
-        def retiring_shutdown(*args, **kwargs):
-            self._retired.update(workers)
-            return shutdown(*args, **kwargs)
-
-        owner.shutdown = retiring_shutdown
+        first tells the watch that `workers` end on purpose. The wrap is on the owner's class and the note in
+        a module table, never on the instance: async GRPO pickles the VllmGeneration for its collector actor,
+        and an attribute holding this watch (its locks) cannot be pickled."""
+        _retire_when_shut_down(type(owner))
+        _RETIRING[id(owner)] = lambda: self._retired.update(workers)
 
     def _run(self) -> None:
         import ray
@@ -161,6 +158,25 @@ class WorkerWatch:
         # The main thread did not unwind: say it here and end (Ray then ends this driver's actors).
         print(self.report.line(death), file=sys.stderr, flush=True)
         os._exit(WORKER_LOST_EXIT)
+
+
+# id(owner) -> what its shutdown() tells a watch first (see WorkerWatch.retire_on_shutdown)
+_RETIRING: dict[int, Callable[[], None]] = {}
+
+
+def _retire_when_shut_down(cls: type) -> None:
+    original = cls.shutdown
+    if getattr(original, "_bapo_retires", False):
+        return
+
+    def shutdown(self, *args, **kwargs):
+        tell = _RETIRING.pop(id(self), None)
+        if tell is not None:
+            tell()
+        return original(self, *args, **kwargs)
+
+    shutdown._bapo_retires = True
+    cls.shutdown = shutdown
 
 
 def death_cause(exc: BaseException) -> str:
