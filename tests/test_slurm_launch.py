@@ -12,6 +12,7 @@ or munge cannot be found or started.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pwd
 import re
@@ -378,20 +379,47 @@ def wait_until(predicate, timeout: float, what: str, sub: Submission | None = No
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{job_output(sub) if sub else ''}")
 
 
-def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
-    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it now to keep the test short.
+CREDENTIAL_SECOND_MARGIN_S = 2  # see release_requeued
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
-    The hold is (re)set when the previous attempt has finished completing, which can be after the job
-    already shows PENDING, so the release is repeated until the next attempt is running."""
+
+def held_until(info: dict[str, str]) -> float:
+    """A pending job's start time in seconds since the epoch; infinite where Slurm has none yet ("Unknown")."""
+    try:
+        return time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return math.inf
+
+
+def release_requeued(slurm: LocalSlurm, sub: Submission, restarts: int) -> None:
+    """Slurm holds a requeued job for ~2 minutes (BeginTime); start it sooner to keep the test short.
+
+    Not at once: slurmd refuses a job whose credential was created in the same second as its previous
+    attempt's credential was revoked (Slurm's cred_revoked compares whole seconds: `ctime <= revoked`), and
+    fails it ("Job credential revoked"). The revocation is stamped when the requeue ends the previous
+    attempt, before the job shows PENDING here, so a start time two seconds after that is always a later
+    second. The hold is (re)set when the previous attempt has finished completing, which can be after the
+    job already shows PENDING, so the release is repeated until the next attempt is running."""
+
+    start_at: list[int] = []  # the one start time asked for, in whole seconds since the epoch
 
     def next_attempt_running() -> bool:
         info = slurm.job(sub.job_id)
         if info.get("Restarts") != str(restarts):
+            if info.get("JobState") in ENDED:  # ended without the requeue: no use waiting for it
+                raise AssertionError(f"job {sub.job_id} ended {info.get('JobState')} after {info.get('Restarts')} "
+                                     f"restarts, not requeued for attempt {restarts}\n{job_output(sub)}")
             return False
         if info.get("JobState") == "RUNNING":
             return True
         if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-            slurm.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=False)
+            if not start_at:
+                start_at.append(math.ceil(time.time()) + CREDENTIAL_SECOND_MARGIN_S)
+            # Asked again only while Slurm's hold is later than that time: asking "now + 2 s" each time
+            # would push the start back at every look.
+            if held_until(info) > start_at[0]:
+                when = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start_at[0]))
+                slurm.run(["scontrol", "update", f"JobId={sub.job_id}", f"StartTime={when}"], check=False)
         return False
 
     try:
