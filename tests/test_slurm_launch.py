@@ -558,6 +558,55 @@ def test_a_dead_driver_step_fails_the_job_without_requeue(slurm, tmp_path):
     assert "driver failed with exit code 137" in job_output(sub)
 
 
+# PYTHON for the job in the test below. It stands in for the NeMo-RL cluster driver's ending when one of its
+# Ray workers dies (bapo_nemo/nemo/worker_watch.py: one line naming the worker, exit 75), which needs NeMo-RL's
+# GPU workers and cannot run under this Slurm. The first attempt's training is the real trainer's, held at a
+# barrier (tests/barrier.py) where it first prunes old checkpoints, right after its first checkpoint (step_0,
+# the warmed-up model) is complete: the run has a checkpoint and is unfinished by construction. The stand-in
+# then ends it as the worker's death would and exits as the driver does. Every other call, the requeued
+# attempt's training included, is the real Python.
+WORKER_LOST_PYTHON = """#!/bin/sh
+if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ "$1 $2 $3" = "-m bapo_nemo.cli train" ]; then
+  shift 2
+  "$REAL_PYTHON" "$BAPO_REPO/tests/barrier.py" bapo_nemo.embedded.checkpoint:_prune "$BARRIER" "$@" &
+  trainer=$!
+  until ls "$BARRIER"/arrived-* >/dev/null 2>&1; do
+    kill -0 "$trainer" 2>/dev/null || { wait "$trainer"; exit $?; }
+    sleep 0.2
+  done
+  kill -KILL "$trainer"
+  wait "$trainer" 2>/dev/null
+  echo "error: policy worker 1 of 8 on node 3 died during step 1 (a stand-in's line); newest complete checkpoint: $OUTPUT_DIR/checkpoints/step_0. Rerun the same command to resume from it (a requeue does) once the node is back or replaced" >&2
+  exit 75
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_worker_requeues_the_job_and_it_resumes(slurm, tmp_path):
+    """The driver exits 75 when a Ray worker died (its newest checkpoint intact): the script requeues the
+    job, which resumes from that checkpoint into the same MLflow run and finishes."""
+    python = tmp_path / "python"
+    python.write_text(WORKER_LOST_PYTHON)
+    python.chmod(0o755)
+    (tmp_path / "barrier").mkdir()
+    sub = submit(slurm, tmp_path, max_steps=4, env={
+        "PYTHON": str(python), "REAL_PYTHON": sys.executable, "BARRIER": str(tmp_path / "barrier")})
+    release_requeued(slurm, sub, restarts=1)
+    info = slurm.wait_for_state(sub.job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=HANG_GUARD_S)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{job_output(sub)}"
+    out = sub.out_file.read_text()
+    assert "the driver lost a Ray worker (exit 75; see " in out and "requeueing job" in out, out
+    assert "died during step 1" in (sub.attempt_dir(0) / "driver.log").read_text()
+    assert f"resuming from step 0 ({sub.run_dir / 'checkpoints' / 'step_0'})" in (sub.attempt_dir(1) / "driver.log").read_text()
+    final = driver_summary(sub, 1)
+    assert final["step"] == 4 and final["stopped_by_signal"] is None
+    client, runs = mlflow_runs(sub.run_dir)
+    assert [r.info.run_id for r in runs] == [final["mlflow_run_id"]]
+    assert rl_steps_logged(client, final["mlflow_run_id"]) == [1, 2, 3, 4]
+
+
 def test_bad_inputs_fail_with_a_clear_error(slurm, tmp_path):
     """Each job fails in seconds with a message naming the input and the fix (no training starts)."""
     seven_b = REPO / "slurm" / "bapo_7b.sbatch"

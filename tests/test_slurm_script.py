@@ -191,3 +191,14 @@ def test_sbatch_script_refuses_to_run_outside_slurm(script):
     )
     assert result.returncode == 1
     assert "not inside a Slurm job" in result.stderr
+
+
+def test_the_script_requeues_the_exit_code_the_driver_gives_for_a_lost_worker():
+    """slurm/bapo_32b.sbatch requeues on the NeMo-RL driver's exit code for a lost Ray worker (the Slurm test
+    of it stands in for that driver, so it cannot catch the two drifting apart)."""
+    import re
+
+    from bapo_nemo.nemo.worker_watch import WORKER_LOST_EXIT
+
+    text = (REPO / "slurm" / "bapo_32b.sbatch").read_text()
+    assert re.search(r"^WORKER_LOST_EXIT=(\d+)$", text, re.MULTILINE).group(1) == str(WORKER_LOST_EXIT)
