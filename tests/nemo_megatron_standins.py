@@ -84,6 +84,7 @@ from tests.nemo_vllm_standins import (
     TP_SPLIT_DIM,
     load_weights,
     refit_mailbox,
+    weights_to_bytes,
 )
 
 gc.freeze()
@@ -417,7 +418,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             # The weights' version: optimizer steps taken (the LR scheduler counts samples; it is
             # checkpointed, so the count goes on across a resume).
             steps = self.scheduler.num_steps // self.cfg["train_global_batch_size"]
-            ray.get(refit_mailbox().post.remote(full, steps), timeout=RAY_TIMEOUT_S)
+            ray.get(refit_mailbox().post.remote(weights_to_bytes(full), steps), timeout=RAY_TIMEOUT_S)
 
     # Non-colocated generation: upstream opens an NCCL group over the trainer's and the generation
     # engines' ranks and broadcasts the weights in it; here they go through the same mailbox.

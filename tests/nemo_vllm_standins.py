@@ -43,7 +43,7 @@ from typing import Any
 
 import ray
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from tests.nemo_faults import reached
 
@@ -201,23 +201,32 @@ def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 # ---- refit hand-over ----------------------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class RefitMailbox:
-    """Holds the newest weights the policy posted; `take` waits for weights newer than the caller's."""
+    """Holds the newest weights the policy posted; `take` waits for weights newer than the caller's.
+
+    The weights travel as safetensors bytes (`weights_to_bytes`), as vLLM's refit moves raw buffers:
+    a tensor pickled in a process that imported megatron-core (the policy workers) names megatron-core's
+    storage loader, so unpickling it would import megatron-core into the mailbox and every generation
+    worker (~5 CPU-s each, per run)."""
 
     def __init__(self):
         self.version, self.weights, self.policy_steps = 0, None, None
         self.posted = asyncio.Condition()
 
-    async def post(self, weights: dict[str, torch.Tensor], policy_steps: int) -> int:
+    async def post(self, weights: bytes, policy_steps: int) -> int:
         async with self.posted:
             self.version += 1
             self.weights, self.policy_steps = weights, policy_steps
             self.posted.notify_all()
         return self.version
 
-    async def take(self, newer_than: int) -> tuple[int, dict[str, torch.Tensor], int]:
+    async def take(self, newer_than: int) -> tuple[int, bytes, int]:
         async with self.posted:
             await self.posted.wait_for(lambda: self.version > newer_than)
             return self.version, self.weights, self.policy_steps
+
+
+def weights_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    return save(weights)
 
 
 _MAILBOX: list = []
@@ -289,11 +298,11 @@ class TinyLMGenerationWorker:
             if missing:
                 raise ValueError(f"refit names differ from the generation model's: {sorted(missing)}")
 
-    def install(self, taken: tuple[int, dict[str, torch.Tensor], int]) -> bool:
+    def install(self, taken: tuple[int, bytes, int]) -> bool:
         """Weights taken from the mailbox (`RefitMailbox.take`) become the ones sampled from."""
         version, weights, steps = taken
         self.version, self.policy_steps = version, steps
-        self.weights = {k: v.clone() for k, v in weights.items()}
+        self.weights = load(weights)
         return True
 
     def record(self, rows: list[dict[str, Any]], name: str) -> None:
