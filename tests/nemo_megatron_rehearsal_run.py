@@ -1,4 +1,4 @@
-"""The Megatron rehearsal's two driver runs, in a process of their own:
+"""The CPU rehearsals' driver runs, in a process of their own:
 `python -m tests.nemo_megatron_rehearsal_run SPEC.json` (tests/test_nemo_megatron_rehearsal.py's module
 fixture starts it and reads back what it writes).
 
@@ -10,7 +10,8 @@ In a pytest worker the shim then stayed for every later test that worker ran (th
 with a stub AutoBridge and changed parity figures). tests/conftest.py fails any test that leaves the shim
 installed in a pytest process.
 
-SPEC.json: {"config", "root", "stop_at", "num_gpus"} and optionally "hold" (the async engine's held request,
+SPEC.json: {"config", "root", "num_gpus"} and optionally "stop_at" (a stop, then the same command
+resuming: two runs; without it one run) and "hold" (the async engine's held request,
 tests/nemo_vllm_standins.py's HOLD_ENV). The workers record under root/record. Writes, under
 root: driver_calls.pt (every batch the driver handed Policy.train / Policy.get_logprobs, and the latter's
 results) and runs.json (each run's exit code, call counts and seconds, and the checkpoints the stopped run
@@ -142,8 +143,8 @@ def run_driver(config: Path, built: list, overrides: tuple[str, ...] | list[str]
 
 
 def rehearse(spec: dict) -> None:
-    """Run 1 gets SIGUSR1 at train() call `stop_at` (during the stop step) and stops after checkpointing;
-    run 2 is the same command, resuming."""
+    """With `stop_at`: run 1 gets SIGUSR1 at train() call `stop_at` (during the stop step) and stops after
+    checkpointing; run 2 is the same command, resuming. Without it: one run to the end."""
     root, config = Path(spec["root"]), Path(spec["config"])
     calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
     seen = []
@@ -157,20 +158,22 @@ def rehearse(spec: dict) -> None:
         from tests.nemo_vllm_standins import HOLD_ENV
 
         os.environ[HOLD_ENV] = spec["hold"]
-    runs = []
+    runs, checkpoints_after_stop = [], []
     with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(root / "record", calls):
-        calls["on_train"].append(signal_during_stop_step)
+        if spec.get("stop_at"):
+            calls["on_train"].append(signal_during_stop_step)
         started = time.time()
         runs.append({"rc": run_driver(config, calls["built"]), "train_calls": len(calls["train"]),
                      "logprob_calls": len(calls["get_logprobs"]), "seconds": time.time() - started})
-        calls["on_train"].clear()
-        checkpoints_after_stop = sorted(p.name for p in (root / "checkpoints").glob("step_*"))
-        # The stop's checkpoint as run 1 left it: NeMo-RL main keeps only save_period-aligned checkpoints
-        # (and the latest), so run 2's save prunes this one there; v0.7.0 keeps it (keep_top_k).
-        for step in checkpoints_after_stop:
-            shutil.copytree(root / "checkpoints" / step, root / "after_stop" / step)
-        started = time.time()
-        runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
+        if spec.get("stop_at"):
+            calls["on_train"].clear()
+            checkpoints_after_stop = sorted(p.name for p in (root / "checkpoints").glob("step_*"))
+            # The stop's checkpoint as run 1 left it: NeMo-RL main keeps only save_period-aligned
+            # checkpoints (and the latest), so run 2's save prunes this one there; v0.7.0 keeps it (keep_top_k).
+            for step in checkpoints_after_stop:
+                shutil.copytree(root / "checkpoints" / step, root / "after_stop" / step)
+            started = time.time()
+            runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
     torch.save({"train": [dict(b) for b in calls["train"]],
                 "get_logprobs": [(dict(d), dict(r)) for d, r in calls["get_logprobs"]]}, root / "driver_calls.pt")
     (root / "runs.json").write_text(json.dumps({"runs": runs, "checkpoints_after_stop": checkpoints_after_stop}))

@@ -34,9 +34,9 @@ import yaml
 
 from tests.test_nemo_megatron_rehearsal import (
     REPO,
+    async_checkpoint_saves,
     bapo_options,
     check_bounds_of_every_step,
-    check_workers_resumed_from_their_save,
     of_kind,
     optimizer_steps,
     policy_records,
@@ -319,3 +319,24 @@ def test_identical_responses_each_get_their_versions(rehearsal):
     if not compared["identical"]:
         pytest.skip("no response was produced twice in this run")
     assert compared["identical_wrong"] == 0
+
+
+def check_workers_resumed_from_their_save(records: dict[int, list[dict]], step_dir: Path) -> None:
+    """Every rank's worker saved once before the stop and the resumed run's worker started from exactly the
+    weights and Adam moments it saved, reading them from `step_dir`."""
+    for rank, recs in records.items():
+        save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
+        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
+        # (finalize_async_save) before the rename, so the step's directory was complete when it appeared
+        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
+        first_init, resumed = of_kind(recs, "init")
+        assert first_init["weights_path"] is None
+        assert Path(resumed["weights_path"]) == step_dir / "policy" / "weights"
+        assert Path(resumed["optimizer_path"]) == step_dir / "policy" / "optimizer"
+        for name, value in save["params"].items():
+            assert torch.equal(resumed["params"][name], value), (rank, name)
+        saved, loaded = save["optimizer"], resumed["optimizer"]
+        assert loaded["lr"] == saved["lr"]
+        assert len(loaded["moments"]) == len(saved["moments"]) > 0
+        for a, b in zip(saved["moments"], loaded["moments"]):
+            assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)

@@ -176,8 +176,8 @@ def resumes(records: list[dict]) -> list[tuple[int, dict, dict]]:
 
 
 def test_every_resume_starts_from_exactly_what_its_checkpoint_saved(faults):
-    """Nothing a complete checkpoint held is lost: each attempt's workers load the weights and Adam moments
-    their rank saved into the checkpoint it resumed from (step 1, 1 past the damaged 2, 2, 3)."""
+    """Nothing a complete checkpoint held is lost: each attempt's workers load the weights, Adam moments and
+    learning rate their rank saved into the checkpoint it resumed from (step 1, 1 past the damaged 2, 2, 3)."""
     records = policy_records(faults["root"] / "record")
     assert len(records) == 2
     for rank, recs in records.items():
@@ -186,6 +186,7 @@ def test_every_resume_starts_from_exactly_what_its_checkpoint_saved(faults):
         for step, init, save in loaded:
             for name, value in save["params"].items():
                 assert torch.equal(init["params"][name], value), (rank, step, name)
+            assert init["optimizer"]["lr"] == save["optimizer"]["lr"], (rank, step)
             for a, b in zip(save["optimizer"]["moments"], init["optimizer"]["moments"], strict=True):
                 assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), (rank, step)
 

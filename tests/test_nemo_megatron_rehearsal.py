@@ -12,11 +12,13 @@ Stand-ins, each at the boundary of what cannot run here (details in their module
   (tests/nemo_vllm_standins.py);
 - CUDA calls, Megatron-Bridge's few helpers, megatron-core 0.16.1's gaps (tests/nemo_rl_shim/megatron_cpu.py).
 
-One module-scoped run drives everything (two driver runs in a process of their own,
-tests/nemo_megatron_rehearsal_run.py: SIGUSR1 during step 1 stops the first, the same command resumes for
-step 2); the workers record, per rank, what the loss saw and the reduced gradients,
-and the tests compare them with independent computations. The negative controls plant defects into the
-same worker code on 8 gloo ranks without Ray (tests/nemo_megatron_harness.py).
+One module-scoped run drives everything (one driver run of two GRPO steps in a process of its own,
+tests/nemo_megatron_rehearsal_run.py); the workers record, per rank, what the loss saw and the reduced
+gradients, and the tests compare them with independent computations. Stopping and resuming are rehearsed
+where that is the subject: tests/test_nemo_faults.py (DP 2, four resumes after five faults) and
+tests/test_nemo_async_rehearsal.py (CP 2, the async loop); this module checks the checkpoint the workers
+write. The negative controls plant defects into the same worker code on 8 gloo ranks without Ray
+(tests/nemo_megatron_harness.py).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ KNOWN_PRESETS = {"bapo_7b.yaml", "bapo_32b.yaml", "bapo_32b_64k.yaml", "bapo_32b
 TP, CP, DP = 2, 2, 2
 PROMPTS, GENERATIONS, GLOBAL_BATCH = 8, 4, 8
 SEQUENCE, RESPONSE_CAP = 16, 8
-STEPS, STOP_DURING_STEP = 2, 1
+STEPS = 2
 
 # The modes the rehearsal runs (test_the_shipped_presets_use_only_rehearsed_modes checks the presets
 # against this, and test_the_rehearsal_runs_the_presets_modes checks that the rehearsal's own config has
@@ -287,15 +289,12 @@ def test_the_rehearsal_config_changes_only_sizes(tmp_path):
 # ---- the run ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """Both driver runs (in a process of their own: tests/nemo_megatron_rehearsal_run.py says why);
-    returns where everything was recorded."""
+    """The driver run (in a process of its own: tests/nemo_megatron_rehearsal_run.py says why); returns
+    where everything was recorded."""
     root = tmp_path_factory.mktemp("rehearsal")
     assets = rehearsal_assets(root)
     config, info = rehearsal_config(root, assets)
-    spec = {
-        "stop_at": (STOP_DURING_STEP - 1) * (PROMPTS * GENERATIONS // GLOBAL_BATCH) + 1,  # the stop step's first train()
-        "num_gpus": TP * CP * DP,
-    }
+    spec = {"num_gpus": TP * CP * DP}
     return run_rehearsal(root, assets, config, info, spec, RUN_GUARD_S)
 
 
@@ -342,13 +341,13 @@ def load_rehearsal(root: Path) -> dict:
 
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
-def test_both_runs_finish(rehearsal):
-    assert [r["rc"] for r in rehearsal["runs"]] == [0, 0], rehearsal["runs"]
+def test_the_run_finishes(rehearsal):
+    assert [r["rc"] for r in rehearsal["runs"]] == [0], rehearsal["runs"]
 
 
 # ---- reading the records back ----------------------------------------------------------------------------
 def policy_records(record_dir: Path) -> dict[int, list[dict]]:
-    """rank -> that rank's records in the order they were written (across both runs)."""
+    """rank -> that rank's records in the order they were written (across all runs)."""
     out = {}
     for directory in sorted((record_dir / "policy").glob("rank*")):
         rank = int(directory.name[4:])
@@ -441,7 +440,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- what the loss saw, per optimizer step ------------------------------------------------------------
 def optimizer_steps(rehearsal) -> list[dict]:
-    """Per optimizer step (both runs, in order): the batch the driver handed Policy.train (bounds
+    """Per optimizer step (every run, in order): the batch the driver handed Policy.train (bounds
     attached), every rank's train record, and the one-process weights before the step."""
     records = policy_records(rehearsal["record"])
     driver_batches = rehearsal["calls"]["train"]
@@ -455,7 +454,7 @@ def optimizer_steps(rehearsal) -> list[dict]:
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
 def test_the_bounds_of_every_optimizer_step_are_the_search_over_that_steps_tokens(rehearsal):
-    """granularity: step. For every optimizer step (3 GRPO steps x 4, over both runs): the bounds every
+    """granularity: step. For every optimizer step (2 GRPO steps x 4): the bounds every
     loss call on every rank clipped with equal search_clip_bounds over the whole step's tokens, computed
     here from the step's batch and the policy's log-probs at the weights before that step (the one-process
     tiny LM on the weights the workers held), independently of the driver's search and NeMo-RL's passes."""
@@ -622,11 +621,11 @@ def test_partial_rollout_segments_of_several_policy_versions_reach_the_loss(rehe
     info = rehearsal["info"]
     record_property("partial_rollouts", json.dumps(info["partial_rollouts"]))
     # The prefill pool ran as configured: before step 1 the driver moved prefill_batches extra batches of
-    # prompts into flight, and the stop's checkpoint carried unfinished groups over to the resumed run.
-    hook_state = json.loads((rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}" / "partial_rollouts.json").read_text())
+    # prompts into flight, and the last checkpoint carries unfinished groups for a resumed run.
+    hook_state = json.loads((rehearsal["root"] / "checkpoints" / f"step_{STEPS}" / "partial_rollouts.json").read_text())
     prefill = info["partial_rollouts"]["prefill_batches"]
-    assert (hook_state["prefilled_batches"], hook_state["batches_seen"]) == (prefill, STOP_DURING_STEP + prefill)
-    assert hook_state["manager"]["active"] or hook_state["manager"]["pending"], "no group in flight at the stop"
+    assert (hook_state["prefilled_batches"], hook_state["batches_seen"]) == (prefill, STEPS + prefill)
+    assert hook_state["manager"]["active"] or hook_state["manager"]["pending"], "no group in flight at the end"
     segments = generation_segments(rehearsal["record"])
     assert segments and all(len(s["tokens"]) <= info["partial_rollouts"]["token_budget"] for s in segments)
     mixed = 0
@@ -662,63 +661,42 @@ def _segment_versions(data, j: int, segments: list[dict]) -> list[int]:
 
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
-def test_sigusr1_stops_and_the_same_command_resumes_through_the_workers_checkpoints(rehearsal):
-    """SIGUSR1 during step 1 -> NeMo-RL checkpoints step 1 through every worker's real save_checkpoint
-    (megatron-core distributed checkpoint in Megatron-Bridge's layout) and the driver exits 0; the same
-    command resumes: NeMo-RL finds the optimizer state in it (CheckpointManager.get_resume_paths reads
-    common.pt), every rank's worker starts from exactly the weights and Adam moments it saved, the LR
-    schedule goes on, step 2 runs and logs into the same MLflow run."""
+def test_the_checkpoint_goes_through_every_workers_save(rehearsal):
+    """The last step's checkpoint is written through every worker's real save_checkpoint (megatron-core
+    distributed checkpoint in Megatron-Bridge's layout, sharded over TP x CP x DP), with the partial
+    rollouts and the parity log-probs the driver adds; the run logs every step into one MLflow run."""
     import mlflow
 
-    first, second = rehearsal["runs"]
-    assert first["rc"] == 0 and second["rc"] == 0
-    assert rehearsal["checkpoints_after_stop"] == [f"step_{STOP_DURING_STEP}"]
-    assert first["train_calls"] == STOP_DURING_STEP * PROMPTS * GENERATIONS // GLOBAL_BATCH
-    step_dir = rehearsal["root"] / "checkpoints" / f"step_{STOP_DURING_STEP}"  # where the resume read it
-    kept = rehearsal["root"] / "after_stop" / f"step_{STOP_DURING_STEP}"  # its files, as run 1 left them
-    assert (kept / "policy" / "weights" / "latest_checkpointed_iteration.txt").read_text() == "0"
-    iteration = kept / "policy" / "weights" / "iter_0000000"
+    (run,) = rehearsal["runs"]
+    assert run["train_calls"] == STEPS * PROMPTS * GENERATIONS // GLOBAL_BATCH
+    step_dir = rehearsal["root"] / "checkpoints" / f"step_{STEPS}"
+    assert (step_dir / "policy" / "weights" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    iteration = step_dir / "policy" / "weights" / "iter_0000000"
     # common state in common.pt (the layout v0.7.0's stack writes and reads) or embedded (megatron-core 0.17+)
     assert (iteration / ".metadata").exists()
     assert (iteration / "common.pt").exists() or (iteration / "metadata.json").exists()
-    assert (kept / "partial_rollouts.json").exists()
-    check_workers_resumed_from_their_save(policy_records(rehearsal["record"]), step_dir)
+    assert (step_dir / "partial_rollouts.json").exists()
+    records = policy_records(rehearsal["record"])
+    for rank, recs in records.items():
+        (save,) = of_kind(recs, "save")
+        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
+        # (finalize_async_save) before the rename, so the step's directory was complete when it appeared
+        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
     # The parity file the driver records at every checkpoint (for `bapo-nemo export`) went through the
     # workers' real get_logprobs: it holds the saved weights' log-probs.
     from bapo_nemo.export.parity import read_reference_logprobs
 
-    parity = read_reference_logprobs(kept)
-    saved = weights_of(policy_records(rehearsal["record"]), "save", 0)
+    parity = read_reference_logprobs(step_dir)
+    saved = weights_of(records, "save", 0)
     for sequence, row in zip(parity["sequences"], parity["logprobs"]):
         want = reference_logprobs(saved, {"input_ids": torch.tensor([sequence])})[0, 1:]
         assert torch.allclose(torch.tensor(row), want, atol=1e-5)
-    done = json.loads((rehearsal["root"] / "checkpoints" / f"step_{STEPS}" / "training_info.json").read_text())
+    done = json.loads((step_dir / "training_info.json").read_text())
     assert done["total_steps"] == STEPS
     client = mlflow.tracking.MlflowClient(rehearsal["assets"]["mlflow"])
-    (run,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, STEPS + 1))
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == list(range(1, STEPS + 1))
-
-
-def check_workers_resumed_from_their_save(records: dict[int, list[dict]], step_dir: Path) -> None:
-    """Every rank's worker saved once before the stop and the resumed run's worker started from exactly the
-    weights and Adam moments it saved, reading them from `step_dir`."""
-    for rank, recs in records.items():
-        save = of_kind(recs, "save")[0]  # the stop's (the second run saves again at its end)
-        # main: the save returned with its writes pending; grpo's begin_finalization waited for them
-        # (finalize_async_save) before the rename, so the step's directory was complete when it appeared
-        assert save["pending_writes"] == (1 if async_checkpoint_saves() else 0), rank
-        first_init, resumed = of_kind(recs, "init")
-        assert first_init["weights_path"] is None
-        assert Path(resumed["weights_path"]) == step_dir / "policy" / "weights"
-        assert Path(resumed["optimizer_path"]) == step_dir / "policy" / "optimizer"
-        for name, value in save["params"].items():
-            assert torch.equal(resumed["params"][name], value), (rank, name)
-        saved, loaded = save["optimizer"], resumed["optimizer"]
-        assert loaded["lr"] == saved["lr"]
-        assert len(loaded["moments"]) == len(saved["moments"]) > 0
-        for a, b in zip(saved["moments"], loaded["moments"]):
-            assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+    (logged,) = client.search_runs([client.get_experiment_by_name("rehearsal").experiment_id])
+    for key in ("train/loss", "train/bapo/c_high"):
+        assert sorted(m.step for m in client.get_metric_history(logged.info.run_id, key)) == list(range(1, STEPS + 1))
 
 
 # ---- negative controls -----------------------------------------------------------------------------------
