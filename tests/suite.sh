@@ -46,20 +46,26 @@ venv=.venv-nemo-rl
 ) > "$venv.log" 2>&1 &
 build=$!
 
-declare -A status
+declare -A status seconds
 start=$SECONDS
+part="suite (not nemo_rl), $(python -V 2>&1)"
 env -u NEMO_RL_SRC pytest -m "not nemo_rl" "$@"
-status["suite (not nemo_rl), $(python -V 2>&1)"]=$?
+status["$part"]=$?
+seconds["$part"]=$((SECONDS - start))
 
 if ! wait "$build"; then
   echo "could not build $venv with $python313 (its log: $venv.log):" >&2
   tail -n 20 "$venv.log" >&2
   exit 1
 fi
+echo "== $venv ready $((SECONDS - start)) s after the suite started"
 for tree in "${tree_list[@]}"; do
   echo "== NeMo-RL tier on $("$venv/bin/python" -V 2>&1) against $tree"
+  part="nemo_rl tier, $tree"
+  tier_start=$SECONDS
   NEMO_RL_SRC=$tree "$venv/bin/pytest" -m nemo_rl "$@"
-  status["nemo_rl tier, $tree"]=$?
+  status["$part"]=$?
+  seconds["$part"]=$((SECONDS - tier_start))
 done
 
 echo "== suite: $((SECONDS - start)) s"
@@ -67,6 +73,6 @@ failed=0
 for part in "${!status[@]}"; do
   code=${status[$part]}
   # pytest exit 5: nothing collected (e.g. a -k that matches only one part)
-  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then failed=1; echo "FAILED (exit $code): $part"; else echo "ok: $part"; fi
+  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then failed=1; echo "FAILED (exit $code): $part (${seconds[$part]} s)"; else echo "ok: $part (${seconds[$part]} s)"; fi
 done
 exit $failed
