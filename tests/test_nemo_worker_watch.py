@@ -59,7 +59,7 @@ def wait_for(workers, refs, poll_s: float, capsys) -> tuple[int, float, str]:
     with (
         pytest.raises(SystemExit) as ended,
         WorkerWatch(workers, steps, report, poll_s=poll_s) as watch,
-        RunFailure(workers, watch, steps, report),
+        RunFailure(watch),
     ):
         ray.get(refs)
     return ended.value.code, time.monotonic() - started, capsys.readouterr().err.strip()
@@ -94,14 +94,14 @@ def test_other_failures_keep_their_traceback_and_an_explainer_gives_its_own_line
     with (
         pytest.raises(ValueError, match="a bug"),
         WorkerWatch(workers, steps, report) as watch,
-        RunFailure(workers, watch, steps, report),
+        RunFailure(watch),
     ):
         raise ValueError("a bug")
     disk_full = lambda exc: ("error: the disk is full", 74) if isinstance(exc, OSError) else None
     with (
         pytest.raises(SystemExit) as ended,
         WorkerWatch(workers, steps, report) as watch,
-        RunFailure(workers, watch, steps, report, [disk_full]),
+        RunFailure(watch, [disk_full]),
     ):
         raise OSError(28, "No space left on device")
     assert ended.value.code == 74 and capsys.readouterr().err.strip() == "error: the disk is full"
@@ -122,14 +122,24 @@ def test_death_cause_reads_rays_message():
     assert death_cause(RuntimeError("The actor is dead.")) == "The actor is dead"
 
 
-class Owner:
-    """What the watch wraps: a NeMo-RL Policy's or VllmGeneration's shutdown(), which ends its workers."""
+class WorkerGroup:
+    """What the watch reads of NeMo-RL's RayWorkerGroup: its public `workers` and `worker_metadata`."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handles):
+        self.workers = list(handles)
+        self.worker_metadata = [{"global_rank": rank, "node_idx": 0} for rank in range(len(handles))]
+
+
+class Owner:
+    """What the watch wraps: a NeMo-RL Policy's or VllmGeneration's `worker_group` and its shutdown(), which
+    ends its workers."""
+
+    def __init__(self, *handles):
+        self.worker_group = WorkerGroup(handles)
 
     def shutdown(self):
-        ray.kill(self.handle)
+        for handle in self.worker_group.workers:
+            ray.kill(handle)
         return True
 
 
@@ -138,15 +148,15 @@ def test_workers_the_run_shuts_down_itself_are_no_death(local_ray):
     owner's shutdown, which the watch wraps, their end is not reported while it goes on watching the rest."""
 
     kept, ended = Rank.remote(), Rank.remote()
-    owner = Owner(ended)
-    pickle.dumps(owner)  # async GRPO pickles the VllmGeneration: the watch leaves nothing on it
-    workers = [Worker("policy worker", 0, 1, 0, kept), Worker("generation worker", 0, 1, 0, ended)]
+    policy, generation = Owner(kept), Owner(ended)
+    pickle.dumps(generation)  # async GRPO pickles the VllmGeneration: the watch leaves nothing on it
     steps, report = StepCounter(0), FailureReport(lambda: "none")
-    with WorkerWatch(workers, steps, report, poll_s=0.2) as watch:
-        watch.retire_on_shutdown(owner, workers[1:])
-        assert "shutdown" not in vars(owner)
-        pickle.dumps(owner)
-        assert owner.shutdown() is True
+    watch = WorkerWatch.over({"policy worker": policy, "generation worker": generation}, steps, report, poll_s=0.2)
+    assert [w.name() for w in watch.workers] == ["policy worker 0 of 1 on node 0", "generation worker 0 of 1 on node 0"]
+    with watch:
+        assert "shutdown" not in vars(generation)
+        pickle.dumps(generation)
+        assert generation.shutdown() is True
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until Ray knows it is gone
             try:

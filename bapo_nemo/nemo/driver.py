@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         RunFailure,
         StepCounter,
         WorkerWatch,
-        group_workers,
         newest_checkpoint_text,
         resumed_step,
     )
@@ -356,19 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     policy.train = steps.wrap(policy.train)
     watched = {} if WORKER_WATCH in off_path else {
         "policy worker": policy, "generation worker": policy_generation}
-    groups = {kind: (owner, group_workers(kind, owner)) for kind, owner in watched.items()}
-    workers = [worker for _owner, group in groups.values() for worker in group]
     report = FailureReport(newest_checkpoint_text(master_config.checkpointing))
     explainers = [disk_full_explainer(master_config.checkpointing, checkpointer)] if checkpointing else []
     async_grpo = async_settings(master_config)
     with (
-        WorkerWatch(workers, steps, report) as worker_watch,
-        RunFailure(workers, worker_watch, steps, report, explainers),
+        WorkerWatch.over(watched, steps, report) as worker_watch,
+        RunFailure(worker_watch, explainers),
         checkpointer_scope(checkpointer),  # main: flushes the background finalisation on the way out
     ):
-        for owner, group in groups.values():
-            if group:
-                worker_watch.retire_on_shutdown(owner, group)
         if async_grpo is not None:
             from nemo_rl.algorithms.grpo import async_grpo_train
 

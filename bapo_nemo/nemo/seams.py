@@ -277,7 +277,7 @@ SEAMS: tuple[Seam, ...] = (
         WORKER_WATCH,
         "public properties read; Ray's ActorHandle._actor_id (private) read; Policy.shutdown and "
         "VllmGeneration.shutdown wrapped on their classes (v0.7.0's async loop shuts the workers down itself: no death)",
-        "nemo/worker_watch.py group_workers, RunFailure",
+        "nemo/worker_watch.py WorkerWatch.over, RunFailure",
         "a lost policy or generation worker ends the run at once with one line naming it (a dead rank's peers "
         "wait in a collective, the driver in ray.get); Ray's ActorDiedError names the actor by that id",
         (

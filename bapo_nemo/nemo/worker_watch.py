@@ -110,6 +110,17 @@ class WorkerWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bapo-worker-watch", daemon=True)
 
+    @classmethod
+    def over(cls, owners: dict[str, Any], steps: StepCounter, report: FailureReport, **kwargs: Any) -> Self:
+        """A watch over every worker of `owners` (what a user calls them -> a NeMo-RL Policy or
+        VllmGeneration); each owner's own shutdown() tells the watch first that its workers end on purpose."""
+        groups = {kind: (owner, group_workers(kind, owner)) for kind, owner in owners.items()}
+        watch = cls([worker for _owner, group in groups.values() for worker in group], steps, report, **kwargs)
+        for owner, group in groups.values():
+            if group:
+                watch.retire_on_shutdown(owner, group)
+        return watch
+
     def __enter__(self) -> Self:
         if self.workers:
             self._thread.start()
@@ -198,13 +209,12 @@ Explainer = Callable[[BaseException], "tuple[str, int] | None"]
 
 
 class RunFailure:
-    """`with RunFailure(...)` around the train loop: a lost worker (seen by the watch, or raised by Ray in
-    the driver) becomes one line on stderr and `SystemExit(WORKER_LOST_EXIT)`; so does a failure one of
-    `explainers` recognises, with its own line and code; any other exception goes on with its traceback."""
+    """`with RunFailure(watch, ...)` around the train loop: a lost worker (seen by the watch, or raised by
+    Ray in the driver) becomes one line on stderr and `SystemExit(WORKER_LOST_EXIT)`; so does a failure one
+    of `explainers` recognises, with its own line and code; any other exception goes on with its traceback."""
 
-    def __init__(self, workers: list[Worker], watch: WorkerWatch, steps: StepCounter, report: FailureReport,
-                 explainers: Iterable[Explainer] = ()):
-        self.workers, self.watch, self.steps, self.report = workers, watch, steps, report
+    def __init__(self, watch: WorkerWatch, explainers: Iterable[Explainer] = ()):
+        self.watch, self.report = watch, watch.report
         self.explainers = list(explainers)
 
     def death_from(self, exc: BaseException) -> Death | None:
@@ -215,8 +225,8 @@ class RunFailure:
         actor_error = _in_chain(exc, RayActorError)
         if actor_error is None:
             return None
-        worker = next((w for w in self.workers if _actor_id(w.handle) == actor_error.actor_id), None)
-        return Death(worker, death_cause(actor_error), self.steps.current)
+        worker = next((w for w in self.watch.workers if _actor_id(w.handle) == actor_error.actor_id), None)
+        return Death(worker, death_cause(actor_error), self.watch.steps.current)
 
     def __enter__(self) -> Self:
         return self
