@@ -32,7 +32,7 @@ import pytest
 import torch
 import yaml
 
-from tests.test_nemo_megatron_rehearsal import (
+from tests.nemo_rehearsal import (
     REPO,
     async_checkpoint_saves,
     bapo_options,
@@ -83,7 +83,7 @@ def async_config(root: Path, assets: dict) -> Path:
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     root = tmp_path_factory.mktemp("async_rehearsal")
-    assets = rehearsal_assets(root)
+    assets = rehearsal_assets(root, sequence=SEQUENCE)
     config = async_config(root, assets)
     spec = {
         "hold": HOLD,

@@ -25,8 +25,8 @@ import pytest
 import torch
 import yaml
 
-from tests.test_nemo_megatron_rehearsal import (
-    PRESET,
+from tests.nemo_rehearsal import (
+    REPO,
     load_preset,
     policy_records,
     rehearsal_assets,
@@ -36,7 +36,8 @@ from tests.test_nemo_megatron_rehearsal import (
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.timeout(2700)]
 RUN_GUARD_S = 2400
-REPO = Path(__file__).resolve().parent.parent
+
+PRESET = REPO / "configs" / "bapo_32b_64k.yaml"  # its partial rollouts are state a checkpoint must keep
 
 LAYOUT = (1, 1, 2)  # TP, CP, DP
 PROMPTS, GENERATIONS, GLOBAL_BATCH = 2, 4, 8  # one optimizer step, so one train() call, per GRPO step
@@ -50,7 +51,7 @@ def fault_config(root: Path, assets: dict) -> Path:
     overrides = sized_overrides(root, assets, PRESET, layout=LAYOUT, prompts=PROMPTS, generations=GENERATIONS,
                                 global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS)
     overrides["partial_rollouts"] = scaled_partial_rollouts(
-        preset["partial_rollouts"], preset["policy"]["generation"]["max_new_tokens"])
+        preset, response_cap=RESPONSE_CAP, prompts=PROMPTS, generations=GENERATIONS)
     overrides["checkpointing"].update(save_period=1, keep_top_k=20)  # every checkpoint kept: the test reads them
     overrides["policy"]["generation"]["vllm_cfg"] = {"tensor_parallel_size": 1}
     path = root / "bapo_32b_faults.yaml"
@@ -61,7 +62,7 @@ def fault_config(root: Path, assets: dict) -> Path:
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    assets = rehearsal_assets(root)
+    assets = rehearsal_assets(root, sequence=SEQUENCE)
     config = fault_config(root, assets)
     spec = root / "spec.json"
     spec.write_text(json.dumps({"root": str(root), "config": str(config), "num_gpus": LAYOUT[0] * LAYOUT[1] * LAYOUT[2]}))

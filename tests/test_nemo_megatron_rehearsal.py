@@ -24,7 +24,6 @@ write. The negative controls plant defects into the same worker code on 8 gloo r
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from collections import defaultdict
@@ -35,16 +34,33 @@ import torch
 import yaml
 
 from tests.hang_guard import HANG_GUARD_S
-from tests.nemo_tiny_config import data_env_logger
+from tests.nemo_rehearsal import (
+    REPO,
+    async_checkpoint_saves,
+    at,
+    bapo_options,
+    check_bounds_of_every_step,
+    grads_of,
+    load_preset,
+    of_kind,
+    optimizer_steps,
+    policy_records,
+    reference_logprobs,
+    rehearsal_assets,
+    run_rehearsal,
+    scaled_partial_rollouts,
+    search_over,
+    sized_overrides,
+    weights_of,
+)
 
 # Runs in an xdist worker of its own (tests/conftest.py's "nemo-rl-megatron" group: 17 Ray actors and ~9 GB
-# at the peak, so never beside a second copy). The module fixture's work is fixed (two driver runs, 32 Ray
+# at the peak, so never beside a second copy). The module fixture's work is fixed (one driver run, 16 Ray
 # workers started) and its wall time follows the machine's load; the limits here are for hangs only, the
 # driver process's below pytest-timeout's so that a hang fails with the driver's log.
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.timeout(2700)]
 RUN_GUARD_S = 2400
 
-REPO = Path(__file__).resolve().parent.parent
 # bapo_32b.yaml's 64k variant: bapo_32b.yaml with every block it ships (Megatron, packing with fuse_loss,
 # FP8, the BAPO block, importance sampling, the ratio reference) plus the partial-rollout block the 32B
 # presets ship (the one with the most segments and prompts in flight); everything else it changes is sizes.
@@ -101,15 +117,6 @@ KNOWN_PARTIAL_ROLLOUT_KEYS = {
 
 
 # ---- configs and modes -------------------------------------------------------------------------------
-def load_preset(path: Path) -> dict:
-    """A shipped config as NeMo-RL's driver loads it (defaults chain, interpolations resolved)."""
-    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
-    from omegaconf import OmegaConf
-
-    register_omegaconf_resolvers()
-    return OmegaConf.to_container(load_config(str(path)), resolve=True)
-
-
 def modes(config: dict) -> dict:
     """The configuration choices that select code paths (not sizes)."""
     policy, loss = config["policy"], config["loss_fn"]
@@ -155,71 +162,12 @@ def shipped_presets() -> list[Path]:
     ]
 
 
-def scaled_partial_rollouts(block: dict, response_cap: int) -> dict:
-    """The preset's partial-rollout block at the rehearsal's sizes: the token budget cut so that the
-    longest response takes as many segments as in the preset (4 for the 64k preset: 2 tokens of 8), the
-    other lengths tiny, counts of prompts scaled to its 8 prompts per step; the staleness rule, the
-    resumptions and the prefill pool as shipped."""
-    scaled = dict(block)
-    segments = math.ceil(response_cap / block["token_budget"])
-    scaled["token_budget"] = math.ceil(RESPONSE_CAP / segments)
-    if scaled.get("max_response_tokens") is not None:
-        scaled["max_response_tokens"] = RESPONSE_CAP
-    if scaled.get("global_token_budget") is not None:
-        scaled["global_token_budget"] = 2 * PROMPTS * GENERATIONS * scaled["token_budget"]
-    for key in ("max_in_flight_groups", "prompts_per_iteration"):
-        if scaled.get(key) is not None:
-            scaled[key] = max(PROMPTS, 1)
-    return scaled
-
-
-def sized_overrides(root: Path, assets: dict, preset: Path, *, layout: tuple[int, int, int], prompts: int,
-                    generations: int, global_batch: int, sequence: int, response_cap: int, steps: int) -> dict:
-    """What a CPU rehearsal changes in a shipped preset: sizes only -- the model, lengths, batch sizes, the
-    parallel layout (TP, CP, DP), step counts and paths. Also (each says why): precision float32 (the loss
-    and gradient comparisons are exact to ~1e-6; bf16/FP8 numerics are the GPU's), a learning rate a tiny
-    model moves visibly with in a few steps (the preset's 1e-6 would leave every ratio at 1), no warm-up, no
-    validation (AIME is not here). FP8 stays configured: NeMo-RL's packing pads micro-batches for it as on
-    the cluster."""
-    tp, cp, dp = layout
-    model = str(assets["model"])
-    overrides = {
-        "defaults": str(preset),
-        "grpo": {
-            "num_prompts_per_step": prompts, "num_generations_per_prompt": generations,
-            "max_num_steps": steps, "val_period": 0, "val_at_start": False, "val_at_end": False,
-        },
-        "checkpointing": {"checkpoint_dir": str(root / "checkpoints"), "metric_name": None},
-        "policy": {
-            "model_name": model,
-            "tokenizer": {"name": model},
-            "train_global_batch_size": global_batch,
-            "max_total_sequence_length": sequence,
-            "make_sequence_length_divisible_by": 2 * cp * tp,
-            "precision": "float32",
-            "megatron_cfg": {
-                "tensor_model_parallel_size": tp,
-                "context_parallel_size": cp,
-                "optimizer": {"lr": 1.0e-2, "min_lr": 1.0e-2, "bf16": False},
-                "scheduler": {"lr_warmup_iters": 0, "lr_decay_iters": 100},
-            },
-            "generation": {"max_new_tokens": response_cap},
-        },
-        # as the preset: prompt + response cap = sequence
-        **data_env_logger(assets, root / "logs", "rehearsal", max_input_seq_length=sequence - response_cap),
-        "cluster": {"gpus_per_node": tp * cp * dp, "num_nodes": 1},
-    }
-    if async_checkpoint_saves():  # NeMo-RL main: the workers' saves go on after save_checkpoint returns
-        overrides["policy"]["megatron_cfg"]["checkpoint"] = {"async_save": True}
-    return overrides
-
-
 def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
     """The preset (configs/bapo_32b_64k.yaml) with sizes only changed (sized_overrides), its partial-rollout
     block scaled to them."""
     preset = load_preset(PRESET)
     assert preset.get("partial_rollouts"), f"{PRESET.name} ships no partial_rollouts block to rehearse"
-    partial = scaled_partial_rollouts(preset["partial_rollouts"], preset["policy"]["generation"]["max_new_tokens"])
+    partial = scaled_partial_rollouts(preset, response_cap=RESPONSE_CAP, prompts=PROMPTS, generations=GENERATIONS)
     overrides = sized_overrides(
         root, assets, PRESET, layout=(TP, CP, DP), prompts=PROMPTS, generations=GENERATIONS,
         global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS,
@@ -228,14 +176,6 @@ def rehearsal_config(root: Path, assets: dict) -> tuple[Path, dict]:
     path = root / "bapo_32b_rehearsal.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path, {"partial_rollouts": partial}
-
-
-def async_checkpoint_saves() -> bool:
-    """Whether the installed NeMo-RL finalises checkpoints after asynchronous Megatron saves (main: its
-    Policy has `finalize_async_save`, grpo's `begin_finalization` waits for it before the rename)."""
-    from nemo_rl.models.policy.lm_policy import Policy
-
-    return hasattr(Policy, "finalize_async_save")
 
 
 def unrehearsed(config: dict) -> list[str]:
@@ -292,52 +232,10 @@ def rehearsal(tmp_path_factory):
     """The driver run (in a process of its own: tests/nemo_megatron_rehearsal_run.py says why); returns
     where everything was recorded."""
     root = tmp_path_factory.mktemp("rehearsal")
-    assets = rehearsal_assets(root)
+    assets = rehearsal_assets(root, sequence=SEQUENCE)
     config, info = rehearsal_config(root, assets)
     spec = {"num_gpus": TP * CP * DP}
     return run_rehearsal(root, assets, config, info, spec, RUN_GUARD_S)
-
-
-def rehearsal_assets(root: Path) -> dict:
-    """The tiny LM (warm-started), the training prompts and the MLflow store a rehearsal runs on."""
-    from tests.nemo_vllm_standins import write_answer_jsonl, write_rehearsal_model
-
-    return {
-        "model": write_rehearsal_model(root / "tiny_lm", positions=SEQUENCE),
-        "train": write_answer_jsonl(root / "train.jsonl", 256),
-        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
-    }
-
-
-def run_rehearsal(root: Path, assets: dict, config: Path, info: dict, spec: dict, guard_s: float) -> dict:
-    """`spec`'s two driver runs on `config` (tests/nemo_megatron_rehearsal_run.py, in a process of its own);
-    their record, as load_rehearsal reads it."""
-    (root / "spec.json").write_text(json.dumps({"config": str(config), "root": str(root), **spec}))
-    log = root / "driver.log"
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "tests.nemo_megatron_rehearsal_run", str(root / "spec.json")],
-                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=guard_s, check=False)
-    assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
-    summary = json.loads((root / "runs.json").read_text())
-    (root / "rehearsal.json").write_text(json.dumps({
-        **summary, "info": info, "config": str(config), "assets": {k: str(v) for k, v in assets.items()},
-    }))
-    return load_rehearsal(root)
-
-
-def load_rehearsal(root: Path) -> dict:
-    """A finished rehearsal's record (also to inspect one by hand: load_rehearsal(Path(...)))."""
-    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-
-    summary = json.loads((root / "rehearsal.json").read_text())
-    calls = torch.load(root / "driver_calls.pt", weights_only=False)
-    return {
-        "root": root, "record": root / "record", "config": load_preset(Path(summary["config"])),
-        "info": summary["info"], "assets": summary["assets"], "runs": summary["runs"],
-        "checkpoints_after_stop": summary["checkpoints_after_stop"],
-        "calls": {"train": [BatchedDataDict(b) for b in calls["train"]],
-                  "get_logprobs": [(BatchedDataDict(d), BatchedDataDict(r)) for d, r in calls["get_logprobs"]]},
-    }
 
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
@@ -346,68 +244,6 @@ def test_the_run_finishes(rehearsal):
 
 
 # ---- reading the records back ----------------------------------------------------------------------------
-def policy_records(record_dir: Path) -> dict[int, list[dict]]:
-    """rank -> that rank's records in the order they were written (across all runs)."""
-    out = {}
-    for directory in sorted((record_dir / "policy").glob("rank*")):
-        rank = int(directory.name[4:])
-        out[rank] = [torch.load(p, weights_only=False) for p in sorted(directory.glob("*.pt"))]
-    return out
-
-
-def of_kind(records: list[dict], kind: str) -> list[dict]:
-    return [r for r in records if r["kind"] == kind]
-
-
-def at(records: dict[int, list[dict]], **coords) -> list[list[dict]]:
-    """The records of the ranks at these coordinates (e.g. tp=0, cp=0), one list per rank, by DP rank."""
-    picked = [(recs[0]["coords"], recs) for recs in records.values()
-              if all(recs[0]["coords"][k] == v for k, v in coords.items())]
-    return [recs for c, recs in sorted(picked, key=lambda x: (x[0]["dp"], x[0]["cp"], x[0]["tp"]))]
-
-
-def weights_of(records: dict[int, list[dict]], kind: str, index: int) -> dict[str, torch.Tensor]:
-    """One-process weights from the (dp 0, cp 0) ranks' `index`-th record of `kind` (TP shards joined)."""
-    from tests.nemo_vllm_standins import join_tp_shards
-
-    shards = [of_kind(recs, kind)[index]["params"] for recs in at(records, dp=0, cp=0)]
-    return join_tp_shards(shards)
-
-
-def grads_of(records: dict[int, list[dict]], index: int) -> dict[str, torch.Tensor]:
-    from tests.nemo_vllm_standins import join_tp_shards
-
-    shards = [of_kind(recs, "grads")[index]["grads"] for recs in at(records, dp=0, cp=0)]
-    return join_tp_shards(shards)
-
-
-def bapo_options(config: dict):
-    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
-
-    from bapo_nemo.nemo.loss import bapo_options_from_loss_config
-
-    return bapo_options_from_loss_config(ClippedPGLossConfig(**config["loss_fn"]))
-
-
-def search_over(batch: dict, current_logprobs: torch.Tensor, options) -> object:
-    """search_clip_bounds over a batch's tokens, computed here from its columns (the loss's rule:
-    ratio against the behaviour or proximal log-probs, masked by token and sample masks)."""
-    from bapo_nemo.algorithm import search_clip_bounds
-    from bapo_nemo.algorithm.bapo import importance_ratio
-
-    mask = batch["token_mask"][:, 1:] * batch["sample_mask"].unsqueeze(-1)
-    reference = batch["generation_logprobs" if options.ratio_reference == "behavior" else "prev_logprobs"]
-    ratio = importance_ratio(current_logprobs[:, 1:].double(), reference[:, 1:].double())
-    return search_clip_bounds(ratio, batch["advantages"][:, 1:].double(), mask.double(), options.bapo)
-
-
-def reference_logprobs(weights: dict, batch: dict) -> torch.Tensor:
-    """The tiny LM's log-probs of a batch in one process (positions 0.. per row, as unpacked)."""
-    from tests.nemo_vllm_standins import token_logprobs
-
-    return token_logprobs(weights, batch["input_ids"])
-
-
 def reference_loss_and_grads(weights: dict, batches: list, loss_cfg: dict, global_valid_toks: float):
     """BAPOLossFn in one process over `batches` (each carrying the bounds it must use, as per-sample step
     keys) at `weights`: the summed loss and d(loss)/d(weights)."""
@@ -439,19 +275,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---- what the loss saw, per optimizer step ------------------------------------------------------------
-def optimizer_steps(rehearsal) -> list[dict]:
-    """Per optimizer step (every run, in order): the batch the driver handed Policy.train (bounds
-    attached), every rank's train record, and the one-process weights before the step."""
-    records = policy_records(rehearsal["record"])
-    driver_batches = rehearsal["calls"]["train"]
-    steps = []
-    for k, batch in enumerate(driver_batches):
-        per_rank = {rank: of_kind(recs, "train")[k] for rank, recs in records.items()}
-        steps.append({"batch": batch, "ranks": per_rank, "weights": weights_of(records, "grads", k),
-                      "grads": grads_of(records, k), "records": records, "index": k})
-    return steps
-
-
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
 def test_the_bounds_of_every_optimizer_step_are_the_search_over_that_steps_tokens(rehearsal):
     """granularity: step. For every optimizer step (2 GRPO steps x 4): the bounds every
@@ -461,29 +284,6 @@ def test_the_bounds_of_every_optimizer_step_are_the_search_over_that_steps_token
     steps = optimizer_steps(rehearsal)
     assert len(steps) == STEPS * PROMPTS * GENERATIONS // GLOBAL_BATCH
     check_bounds_of_every_step(steps, bapo_options(rehearsal["config"]))
-
-
-def check_bounds_of_every_step(steps: list[dict], options) -> None:
-    """Every loss call of every optimizer step (optimizer_steps) clipped with the search over that step's
-    batch at the weights before it, and some step searched away from the starting bounds."""
-    moved = 0
-    for step in steps:
-        batch = step["batch"]
-        expected = search_over(batch, reference_logprobs(step["weights"], batch), options)
-        moved += (expected.c_low, expected.c_high) != (options.bapo.c_low_min, options.bapo.c_high_min)
-        for rank, record in step["ranks"].items():
-            assert record["loss_calls"], f"step {step['index']} rank {rank}: no loss call"
-            for call in record["loss_calls"]:
-                data = call["data"]
-                used = (float(data["bapo_c_low"][0]), float(data["bapo_c_high"][0]))
-                assert used == pytest.approx((expected.c_low, expected.c_high), abs=1e-9), (step["index"], rank)
-                # the metric NeMo-RL logs (token-weighted) says the same
-                mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
-                weight = float(mask.sum()) / call["global_valid_toks"]
-                if weight > 0:
-                    assert call["metrics"]["bapo/c_high"] / weight == pytest.approx(expected.c_high, abs=1e-9)
-    # Some steps searched away from the starting bounds: the comparison weighed real ratios.
-    assert moved >= 1, "every step stayed at the starting bounds: the rehearsal's ratios never moved"
 
 
 @pytest.mark.slow  # shares the module's rehearsal run (minutes on two cores)
