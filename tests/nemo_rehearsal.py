@@ -163,19 +163,22 @@ def at(records: dict[int, list[dict]], **coords) -> list[list[dict]]:
     return [recs for c, recs in sorted(picked, key=lambda x: (x[0]["dp"], x[0]["cp"], x[0]["tp"]))]
 
 
-def weights_of(records: dict[int, list[dict]], kind: str, index: int) -> dict[str, torch.Tensor]:
-    """One-process weights from the (dp 0, cp 0) ranks' `index`-th record of `kind` (TP shards joined)."""
+def joined(records: dict[int, list[dict]], kind: str, index: int, field: str) -> dict[str, torch.Tensor]:
+    """`field` of the (dp 0, cp 0) ranks' `index`-th record of `kind`, their TP shards joined into one
+    process's tensors."""
     from tests.nemo_vllm_standins import join_tp_shards
 
-    shards = [of_kind(recs, kind)[index]["params"] for recs in at(records, dp=0, cp=0)]
-    return join_tp_shards(shards)
+    return join_tp_shards([of_kind(recs, kind)[index][field] for recs in at(records, dp=0, cp=0)])
+
+
+def weights_of(records: dict[int, list[dict]], kind: str, index: int) -> dict[str, torch.Tensor]:
+    """One-process weights from the (dp 0, cp 0) ranks' `index`-th record of `kind`."""
+    return joined(records, kind, index, "params")
 
 
 def grads_of(records: dict[int, list[dict]], index: int) -> dict[str, torch.Tensor]:
-    from tests.nemo_vllm_standins import join_tp_shards
-
-    shards = [of_kind(recs, "grads")[index]["grads"] for recs in at(records, dp=0, cp=0)]
-    return join_tp_shards(shards)
+    """One-process reduced gradients of the `index`-th optimizer step."""
+    return joined(records, "grads", index, "grads")
 
 
 def optimizer_steps(rehearsal) -> list[dict]:

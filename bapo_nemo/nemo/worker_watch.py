@@ -214,7 +214,7 @@ class RunFailure:
     of `explainers` recognises, with its own line and code; any other exception goes on with its traceback."""
 
     def __init__(self, watch: WorkerWatch, explainers: Iterable[Explainer] = ()):
-        self.watch, self.report = watch, watch.report
+        self.watch = watch
         self.explainers = list(explainers)
 
     def death_from(self, exc: BaseException) -> Death | None:
@@ -236,7 +236,7 @@ class RunFailure:
             return False
         death = self.death_from(exc)
         if death is not None:
-            print(self.report.line(death), file=sys.stderr, flush=True)
+            print(self.watch.report.line(death), file=sys.stderr, flush=True)
             raise SystemExit(WORKER_LOST_EXIT) from None
         for explain in self.explainers:
             said = explain(exc)
