@@ -183,15 +183,45 @@ def grads_of(records: dict[int, list[dict]], index: int) -> dict[str, torch.Tens
 
 def optimizer_steps(rehearsal) -> list[dict]:
     """Per optimizer step (every run, in order): the batch the driver handed Policy.train (bounds
-    attached), every rank's train record, and the one-process weights before the step."""
+    attached), the log-probs the driver searched those bounds with, every rank's train record, and the
+    one-process weights before the step."""
     records = policy_records(rehearsal["record"])
     driver_batches = rehearsal["calls"]["train"]
+    searched = searched_logprobs(driver_batches, rehearsal["calls"]["get_logprobs"])
     steps = []
     for k, batch in enumerate(driver_batches):
         per_rank = {rank: of_kind(recs, "train")[k] for rank, recs in records.items()}
         steps.append({"batch": batch, "ranks": per_rank, "weights": weights_of(records, "grads", k),
-                      "grads": grads_of(records, k), "records": records, "index": k})
+                      "grads": grads_of(records, k), "records": records, "index": k,
+                      "searched_logprobs": searched[k]})
     return steps
+
+
+def searched_logprobs(train_batches: list, logprob_calls: list) -> list[torch.Tensor]:
+    """The current policy's log-probs the driver searched each optimizer step's bounds with: the step's
+    own extra get_logprobs pass over exactly its rows (a later step of a rollout batch), else its
+    `prev_logprobs` (the first step: grpo computed them at these weights just before train()). Passes
+    are matched in call order, so a batch equal to a later step's never takes that step's pass."""
+    out, next_call = [], 0
+    for batch in train_batches:
+        current = batch["prev_logprobs"]
+        for i in range(next_call, len(logprob_calls)):
+            data, result = logprob_calls[i]
+            if same_sequences(data, batch):
+                width = result["logprobs"].shape[1]  # Policy.train pads the batch it was handed in place
+                current = torch.zeros_like(batch["prev_logprobs"])
+                current[:, :width] = result["logprobs"]
+                next_call = i + 1
+                break
+        out.append(current)
+    return out
+
+
+def same_sequences(a, b) -> bool:
+    """Whether two batches hold the same rows (lengths and tokens), whatever their padded widths."""
+    if not torch.equal(a["input_lengths"], b["input_lengths"]):
+        return False
+    return all(torch.equal(a["input_ids"][i, :n], b["input_ids"][i, :n]) for i, n in enumerate(a["input_lengths"].tolist()))
 
 
 # ---- the bounds every loss call clipped with ----------------------------------------------------------
@@ -204,15 +234,17 @@ def bapo_options(config: dict):
 
 
 def search_over(batch: dict, current_logprobs: torch.Tensor, options) -> object:
-    """search_clip_bounds over a batch's tokens, computed here from its columns (the loss's rule:
-    ratio against the behaviour or proximal log-probs, masked by token and sample masks)."""
+    """search_clip_bounds over a batch's tokens, computed here from its columns (the loss's rule: ratio
+    against the behaviour or proximal log-probs, masked by token and sample masks), in the columns' own
+    precision as the driver computes it: where a step's share sits on the target in exact arithmetic (the
+    first step, every ratio 1), a rounding of the inputs decides whether the search moves."""
     from bapo_nemo.algorithm import search_clip_bounds
     from bapo_nemo.algorithm.bapo import importance_ratio
 
     mask = batch["token_mask"][:, 1:] * batch["sample_mask"].unsqueeze(-1)
     reference = batch["generation_logprobs" if options.ratio_reference == "behavior" else "prev_logprobs"]
-    ratio = importance_ratio(current_logprobs[:, 1:].double(), reference[:, 1:].double())
-    return search_clip_bounds(ratio, batch["advantages"][:, 1:].double(), mask.double(), options.bapo)
+    ratio = importance_ratio(current_logprobs[:, 1:], reference[:, 1:])
+    return search_clip_bounds(ratio, batch["advantages"][:, 1:], mask, options.bapo)
 
 
 def reference_logprobs(weights: dict, batch: dict) -> torch.Tensor:
@@ -222,13 +254,21 @@ def reference_logprobs(weights: dict, batch: dict) -> torch.Tensor:
     return token_logprobs(weights, batch["input_ids"])
 
 
+# The trainer's log-probs (packed, split over TP/CP ranks) against the one-process tiny LM, float32.
+LOGPROB_TOLERANCE = 1e-5
+
+
 def check_bounds_of_every_step(steps: list[dict], options) -> None:
     """Every loss call of every optimizer step (optimizer_steps) clipped with the search over that step's
-    batch at the weights before it, and some step searched away from the starting bounds."""
-    moved = 0
+    batch and the log-probs the driver searched with, and those are the one-process tiny LM's at the
+    weights before the step; some step searched away from the starting bounds."""
+    moved, worst = 0, 0.0
     for step in steps:
-        batch = step["batch"]
-        expected = search_over(batch, reference_logprobs(step["weights"], batch), options)
+        batch, current = step["batch"], step["searched_logprobs"]
+        mask = (batch["token_mask"] * batch["sample_mask"].unsqueeze(-1))[:, 1:].bool()
+        gap = (current - reference_logprobs(step["weights"], batch))[:, 1:][mask].abs()
+        worst = max(worst, float(gap.max()) if gap.numel() else 0.0)
+        expected = search_over(batch, current, options)
         moved += (expected.c_low, expected.c_high) != (options.bapo.c_low_min, options.bapo.c_high_min)
         for rank, record in step["ranks"].items():
             assert record["loss_calls"], f"step {step['index']} rank {rank}: no loss call"
@@ -241,5 +281,7 @@ def check_bounds_of_every_step(steps: list[dict], options) -> None:
                 weight = float(mask.sum()) / call["global_valid_toks"]
                 if weight > 0:
                     assert call["metrics"]["bapo/c_high"] / weight == pytest.approx(expected.c_high, abs=1e-9)
+    print(f"largest |searched - one-process| log-prob over trained tokens: {worst:.2e}")
+    assert worst <= LOGPROB_TOLERANCE, f"the driver searched with log-probs {worst:.2e} off the weights before the step"
     # Some steps searched away from the starting bounds: the comparison weighed real ratios.
     assert moved >= 1, "every step stayed at the starting bounds: the rehearsal's ratios never moved"
