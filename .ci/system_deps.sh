@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian packages the cluster tests use: Slurm daemons + client (tests/test_slurm_*.py), munge (Slurm's
-# authentication) and shellcheck (tests/test_shellcheck.py). Idempotent and quiet; a package that cannot
+# authentication) and shellcheck (tests/unit/test_shellcheck.py). Idempotent and quiet; a package that cannot
 # be installed makes its tests skip with the reason, so this script never fails CI on its own.
 set -uo pipefail
 

@@ -10,7 +10,7 @@ regime and measures, on the same weights and the same mini-batch, what every gra
   * `step`: one search over the whole mini-batch (what `granularity: step` uses);
   * `microbatch` with m responses per search (m = 1 .. 32), the responses grouped by similar length as
     packing groups them. On D data-parallel ranks a search sums D micro-batches' statistics (one
-    all-reduce), which tests/test_algorithm_distributed.py proves equals one search on their union:
+    all-reduce), which tests/unit/test_algorithm_distributed.py proves equals one search on their union:
     m responses per search = D ranks x m / D responses per packed bin (adjacent bins, similar lengths);
 - `step` with `loss_fn.bapo.step_bounds_sample` (docs/nemo_rl.md, "Cheaper step-wide bounds"), on the
   later updates of each rollout batch (the first is exact in every scheme): the search over a random

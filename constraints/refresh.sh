@@ -7,7 +7,7 @@
 #   tests/suite.sh builds. Inputs: pyproject.toml's `test` and `nemo-cpu` extras and
 #   constraints/nemo-rl-py313.in (PyPI's torch).
 # Rerun it after changing a dependency or an extra in pyproject.toml and commit the files together;
-# tests/test_constraints.py fails while an extra names a package a lock does not pin.
+# tests/unit/test_constraints.py fails while an extra names a package a lock does not pin.
 #
 #   bash constraints/refresh.sh              # keep the current pins, add/fix only what changed
 #   bash constraints/refresh.sh --upgrade    # move every package to its newest allowed version

@@ -16,6 +16,9 @@ import pytest
 from filelock import FileLock
 from hypothesis import settings
 
+# Fixtures more than one tier uses (the checkpoint-integrity and tracking tests, with NeMo-RL and without).
+pytest_plugins = ["tests.support.checkpoints", "tests.support.nemo_tracking", "tests.support.signals"]
+
 # CI explores a fixed set of examples (the same on every run), so a landing never hinges on a random
 # draw; developers' runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True)
@@ -44,7 +47,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # NeMo-RL from source (NEMO_RL_SRC, set per tree by tests/suite.sh): the shim puts the source on sys.path
 # (and, on Python < 3.12, aliases typing.TypedDict/NotRequired). Run it here for this process, and put its folder (and this checkout) on
 # PYTHONPATH so every subprocess and Ray worker the tests start runs it at start-up too.
-_SHIM_DIR = Path(__file__).parent / "nemo_rl_shim"
+_TESTS = Path(__file__).resolve().parent
+_SHIM_DIR = Path(__file__).parent / "support" / "nemo_rl_shim"
 _REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("_nemo_rl_shim", _SHIM_DIR / "sitecustomize.py")
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
@@ -93,23 +97,37 @@ def _skip_where_absent(items):
 XDIST_GROUPS = {
     # NeMo-RL in-process: Ray clusters (a head per module, a local one per test), MLflow's fluent API (a
     # process follows the first tracking URI it is given), the driver's signal handlers.
-    "test_nemo_driver_e2e.py": "nemo-rl-in-process",
-    "test_nemo_partial_rollout_grpo.py": "nemo-rl-in-process",
-    "test_tracking_nemo_rl.py": "nemo-rl-in-process",
-    "test_tracking_nemo_rl_faults.py": "nemo-rl-in-process",
-    "test_nemo_step_signal.py": "nemo-rl-in-process",
+    "nemo_rl/test_driver_e2e.py": "nemo-rl-in-process",
+    "nemo_rl/test_partial_rollout_grpo.py": "nemo-rl-in-process",
+    "nemo_rl/test_tracking.py": "nemo-rl-in-process",
+    "nemo_rl/test_tracking_faults.py": "nemo-rl-in-process",
+    "nemo_rl/test_step_signal.py": "nemo-rl-in-process",
     # The Megatron rehearsal in a worker of its own, beside the group above (its Ray head is private and
     # its driver a subprocess): 17 Ray actors, ~9 GB at its peak, and the suite's longest module, which
     # would otherwise queue behind the whole group.
-    "test_nemo_megatron_rehearsal.py": "nemo-rl-megatron",
+    "nemo_rl/test_megatron_rehearsal.py": "nemo-rl-megatron",
     # The async rehearsal (8 Ray actors, its own private head and driver subprocess) in the same worker, one
     # after the other: run beside a Megatron rehearsal on a 23 GB machine, Ray's memory monitor killed one
     # of its workers at 95% of memory.
-    "test_nemo_async_rehearsal.py": "nemo-rl-megatron",
+    "nemo_rl/test_async_rehearsal.py": "nemo-rl-megatron",
     # The fault rehearsal (five driver attempts on a private head, ~5 Ray actors each) after them in the same
     # worker: beside them it slowed both to 2-3x (a CI tier took 788 s instead of 454) on two cores.
-    "test_nemo_faults.py": "nemo-rl-megatron",
+    "nemo_rl/test_fault_rehearsal.py": "nemo-rl-megatron",
 }
+
+
+def _mark_the_nemo_rl_tier(item: pytest.Item, module: str) -> None:
+    """The folder decides the tier: every test in tests/nemo_rl/ is marked nemo_rl (tests/suite.sh runs them
+    once per NeMo-RL tree), and no test elsewhere may be, or the Python 3.11 suite would skip it for good."""
+    if module.startswith("nemo_rl/"):
+        item.add_marker(pytest.mark.nemo_rl)
+    elif item.get_closest_marker("nemo_rl") is not None:
+        raise pytest.UsageError(f"{item.nodeid} is marked nemo_rl outside tests/nemo_rl/: move it there")
+
+
+def _tier_path(path: Path) -> str:
+    """A test module's path inside tests/ (e.g. nemo_rl/test_driver_e2e.py): what XDIST_GROUPS keys."""
+    return path.relative_to(_TESTS).as_posix()
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
@@ -119,10 +137,11 @@ def _uses_a_module_fixture(item: pytest.Item) -> bool:
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (it appends the group to each test's id)
+@pytest.hookimpl(tryfirst=True)  # before -m deselects and xdist reads the marks (it appends the group to ids)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.path.name
+        module = _tier_path(item.path)
+        _mark_the_nemo_rl_tier(item, module)
         group = XDIST_GROUPS.get(module) or (module if _uses_a_module_fixture(item) else None)
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
@@ -135,7 +154,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     group as an "@group" suffix of the id a worker reports."""
     if node.config.getvalue("dist") != "loadgroup":
         return
-    lost = [i for i in ids if i.partition("::")[0].rpartition("/")[2] in XDIST_GROUPS and "@" not in i]
+    lost = [i for i in ids if i.partition("::")[0].removeprefix("tests/") in XDIST_GROUPS and "@" not in i]
     if lost:
         pytest.exit(
             f"pytest-xdist does not group {lost[0]} (and {len(lost) - 1} more): this pytest/pytest-xdist "
@@ -183,22 +202,22 @@ def _environment_put_back():
 
 @pytest.fixture(autouse=True)
 def _no_cpu_megatron_shim():
-    """tests/nemo_rl_shim/megatron_cpu.py patches torch for its whole process (CUDA calls on CPU) and serves
+    """tests/support/nemo_rl_shim/megatron_cpu.py patches torch for its whole process (CUDA calls on CPU) and serves
     a stub `megatron.bridge`; it belongs in the processes that run NeMo-RL's Megatron worker code, never in
     a pytest worker, where every later test would see it (it once changed the export tests' parity figures
     and their Megatron-Bridge check). A test that installs it here fails, whichever way it got in (importing
-    tests/nemo_megatron_standins.py, or Ray loading a worker class from it in a driver)."""
+    tests/support/nemo_megatron_standins.py, or Ray loading a worker class from it in a driver)."""
 
     def installed() -> bool:
-        shim = sys.modules.get("tests.nemo_rl_shim.megatron_cpu")
+        shim = sys.modules.get("tests.support.nemo_rl_shim.megatron_cpu")
         return shim is not None and shim._INSTALLED
 
     before = installed()
     yield
     if installed() and not before:  # the test that installed it fails; later ones would only repeat it
         pytest.fail(
-            "this test installed the CPU Megatron shim (tests/nemo_rl_shim/megatron_cpu.py) in the pytest "
-            "process; run the code that needs it in a subprocess (e.g. tests/nemo_megatron_rehearsal_run.py)",
+            "this test installed the CPU Megatron shim (tests/support/nemo_rl_shim/megatron_cpu.py) in the pytest "
+            "process; run the code that needs it in a subprocess (e.g. tests/support/nemo_megatron_rehearsal_run.py)",
             pytrace=False,
         )
 
@@ -237,6 +256,6 @@ def built_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path
 def trained(built_once) -> Path:
     """A finished 3-step tiny run with checkpoints step_0..step_3, trained once for all workers and shared by
     the user-error, user-run and race tests (each copies it before changing it)."""
-    from test_user_errors import TINY_RUN_KEY, train_tiny_run
+    from tests.support.tiny_run import TINY_RUN_KEY, train_tiny_run
 
     return built_once(f"trained-run-{TINY_RUN_KEY}", train_tiny_run) / "run"

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README's test command runs it (after installing this checkout with
-# constraints/cpu-py311.txt into the active environment):
+# constraints/cpu-py311.txt into the active environment), tier by tier (tests/README.md):
 #
-#   1. `pytest` on this Python (3.11 or newer), the NeMo-RL tier (tests marked nemo_rl) left out;
-#   2. the NeMo-RL tier on NeMo-RL's own Python, 3.13, in .venv-nemo-rl (installed here, pinned by
+#   1. tests/unit, tests/cli and tests/slurm on this Python (3.11 or newer);
+#   2. tests/nemo_rl on NeMo-RL's own Python, 3.13, in .venv-nemo-rl (installed here, pinned by
 #      constraints/nemo-rl-py313.txt: torch, megatron-core 0.19.2 and the `nemo-cpu` extra), once per NeMo-RL
 #      source tree in NEMO_RL_SRCS (colon-separated; .ci/run sets v0.7.0's and main's from ../shared/upstream).
 #
 # Without a tree (NEMO_RL_SRCS and NEMO_RL_SRC unset) the NeMo-RL tests skip, each with its reason. Without
-# Python 3.13 (PYTHON313, `python3.13` on PATH, or pyenv's 3.13.0) the command says so in one line and runs
-# the NeMo-RL tier on this Python against the first tree (v0.7.0 in .ci/run), as tests/nemo_rl_shim allows.
+# Python 3.13 (PYTHON313, `python3.13` on PATH, or pyenv's 3.13.0; NeMo-RL itself requires it) the command
+# says so in one line, with how to get it, and runs tier 1 only.
 # Arguments go to every pytest (e.g. `-x`, `-k name`). Exit status: non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -29,13 +29,14 @@ find_python313() {
   done
 }
 
+python_tiers=(tests/unit tests/cli tests/slurm)
 if [ -z "$trees" ]; then
-  exec pytest "$@"
+  exec pytest "${python_tiers[@]}" "$@"
 fi
 python313=$(find_python313)
 if [ -z "$python313" ]; then
-  echo "Python 3.13 (NeMo-RL's) not found: the NeMo-RL tests run on $(python -V 2>&1) against ${tree_list[0]} only; install Python 3.13 (or set PYTHON313) to test every tree"
-  NEMO_RL_SRC=${tree_list[0]} exec pytest "$@"
+  echo "Python 3.13 (NeMo-RL's own) not found: the NeMo-RL tier (tests/nemo_rl) is skipped; install it (pyenv install 3.13) or set PYTHON313 to run it against every tree"
+  exec env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
 fi
 
 # NeMo-RL's environment is built while the rest of the suite runs.
@@ -48,8 +49,8 @@ build=$!
 
 declare -A status seconds
 start=$SECONDS
-part="suite (not nemo_rl), $(python -V 2>&1)"
-env -u NEMO_RL_SRC pytest -m "not nemo_rl" "$@"
+part="${python_tiers[*]}, $(python -V 2>&1)"
+env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
 status["$part"]=$?
 seconds["$part"]=$((SECONDS - start))
 
@@ -61,9 +62,9 @@ fi
 echo "== $venv ready $((SECONDS - start)) s after the suite started"
 for tree in "${tree_list[@]}"; do
   echo "== NeMo-RL tier on $("$venv/bin/python" -V 2>&1) against $tree"
-  part="nemo_rl tier, $tree"
+  part="tests/nemo_rl, $tree"
   tier_start=$SECONDS
-  NEMO_RL_SRC=$tree "$venv/bin/pytest" -m nemo_rl "$@"
+  NEMO_RL_SRC=$tree "$venv/bin/pytest" tests/nemo_rl "$@"
   status["$part"]=$?
   seconds["$part"]=$((SECONDS - tier_start))
 done

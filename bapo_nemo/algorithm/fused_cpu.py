@@ -4,7 +4,7 @@
 codes, products, three histograms, two sums); on a GPU they are memory-bound and cost microseconds, on a
 CPU they cost about a third of the plain loss. This loop reads each token once and produces the same
 numbers: the histograms bit for bit (same products in the ratios' dtype, same float64 accumulation in
-token order as `index_add_`), the sums of r and log r to rounding. `tests/test_algorithm_fused_cpu.py`
+token order as `index_add_`), the sums of r and log r to rounding. `tests/unit/test_algorithm_fused_cpu.py`
 holds it to the eager version.
 
 Used automatically for CPU tensors when numba is importable (set BAPO_FUSED_CPU=0 to opt out); everything

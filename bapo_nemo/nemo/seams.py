@@ -287,7 +287,7 @@ SEAMS: tuple[Seam, ...] = (
             Site(VLLM_GENERATION, "VllmGeneration.generate", "self.worker_group.run_all_workers_sharded_data"),
         ),
         runtime="none needed: a handle without _actor_id only makes the line say 'a Ray worker of this run' "
-        "instead of its rank (tests/test_nemo_worker_watch.py checks Ray's handles and errors against each other)",
+        "instead of its rank (tests/unit/test_nemo_worker_watch.py checks Ray's handles and errors against each other)",
         fallback="no watch: a lost worker is seen when Ray or a collective times out (minutes), not at once",
     ),
     Seam(

@@ -60,7 +60,7 @@ class PartialRolloutPool:
     """`PartialRolloutManager`'s scheduling on response lengths: admission (`max_in_flight_groups`,
     `prompts_per_iteration`), the schedule (unfinished responses of the oldest groups first, cut by
     `global_token_budget`), the per-response allowance (budget, response cap), the finish reasons and the
-    hand-out of the oldest complete groups. tests/test_plan_generation.py runs both side by side."""
+    hand-out of the oldest complete groups. tests/unit/test_plan_generation.py runs both side by side."""
 
     def __init__(self, config: PartialRolloutConfig, response_cap: int):
         self.config = config

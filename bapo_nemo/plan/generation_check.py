@@ -36,7 +36,7 @@ from bapo_nemo.rollout.config import PartialRolloutConfig, PartialRolloutConfigE
 FAR_FROM_BEST = 1.10
 # The presets' bar for turning partial rollouts on (docs/cluster.md): a step at least 15% shorter.
 PAYS = 0.85
-# What the hook keeps per in-flight token (measured on PartialRolloutManager, tests/test_plan_generation.py):
+# What the hook keeps per in-flight token (measured on PartialRolloutManager, tests/unit/test_plan_generation.py):
 # partial_rollouts.json in every checkpoint (a token id and a float log-prob as JSON), and the driver's
 # Python lists.
 STATE_JSON_BYTES_PER_TOKEN = 29

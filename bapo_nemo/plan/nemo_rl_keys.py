@@ -7,7 +7,7 @@ read the NeMo-RL installed where they run. Regenerate a shipped list from a NeMo
 
     PYTHONPATH=<nemo-rl tree> python -m bapo_nemo.plan.nemo_rl_keys <nemo-rl tree> bapo_nemo/plan/<file>.json
 
-(tests/test_nemo_configs.py compares the shipped list with this module's output on the tree under test).
+(tests/unit/test_nemo_configs.py compares the shipped list with this module's output on the tree under test).
 """
 
 from __future__ import annotations

@@ -1,0 +1,728 @@
+"""Test fixtures for the CPU rehearsals of the Megatron training path (tests/nemo_rl/test_megatron_rehearsal.py,
+tests/nemo_rl/test_async_rehearsal.py): the tiny language model in its one-process form, its assets, and the
+stand-ins for vLLM's generation workers.
+
+Kept free of Megatron imports: the generation workers (8 Ray actors) import only this module.
+
+The tiny LM (`tiny_lm_logits`) is the model the CPU Megatron policy workers hold in Megatron's TP/CP
+layout (tests/support/nemo_megatron_standins.py, `TinyParallelLM`); this module's one-process form is what the
+generation workers sample from and what the tests compute references with:
+
+    x = E[token] + P[position];  h = tanh(x);  y = h + tanh(h W1^T) W2^T;  logits = y Wout^T
+
+Each token's next-token distribution depends on the token and its position only (no attention: ring
+attention under context parallelism is a GPU kernel), which is enough for a warm start that answers the
+prompts right about half of the time (`warm_start`): GRPO groups get mixed rewards, so advantages are not
+zero and BAPO's searches have both signs to weigh.
+
+`CPUVllmGenerationWorker` replaces NeMo-RL's `VllmGenerationWorker` (vLLM's engine needs GPUs): the real
+`VllmGeneration` builds its `RayWorkerGroup` (tied TP groups, one model owner each), shards batches by DP
+and merges the results; each owner samples token by token from the tiny LM and answers in the layout of
+`VllmGenerationWorker.generate`. Refit (vLLM's CUDA-IPC/ZMQ weight stream) becomes a hand-over through a
+named Ray actor (`RefitMailbox`): the policy's rank 0 posts the full weights, every owner takes the newest.
+
+`CPUVllmAsyncGenerationWorker` replaces `VllmAsyncGenerationWorker` (`vllm_cfg.async_engine`): its methods
+are upstream's, written around `self.llm`, here `CPUAsyncLLM`, a CPU stand-in for vLLM's AsyncLLM with its
+API (an async generator of cumulative RequestOutputs per request, `collective_rpc`), one decode loop over
+all running requests, and weight updates applied between two decode steps while requests keep running
+(vLLM's in-flight weight updates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+from tests.support.nemo_faults import reached
+
+WEIGHTS_FILE = "tiny_lm.safetensors"
+SHAPE_FILE = "tiny_lm.json"
+HIDDEN, FFN = 32, 64
+# Plain concatenation: the character tokenizer has no chat template of its own.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+MAILBOX = "bapo_rehearsal_refit_mailbox"
+# Where the generation workers record what they sampled (the test process reads it back).
+RECORD_DIR_ENV = "BAPO_REHEARSAL_RECORD_DIR"
+
+
+# ---- the tiny LM, one-process form --------------------------------------------------------------------
+# How Megatron's layout splits each weight over tensor-parallel ranks (dimension; None: replicated).
+TP_SPLIT_DIM = {
+    "embedding.weight": 0,  # VocabParallelEmbedding: by vocabulary
+    "position_embedding.weight": None,
+    "fc1.weight": 0,  # ColumnParallelLinear: by output
+    "fc2.weight": 1,  # RowParallelLinear: by input
+    "output_layer.weight": 0,  # ColumnParallelLinear over the vocabulary: vocab-parallel logits
+}
+
+
+def join_tp_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One-process weights from the tensor-parallel ranks' shards (in TP rank order)."""
+    return {
+        name: shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+        for name, dim in TP_SPLIT_DIM.items()
+    }
+
+
+def init_tiny_lm(vocab: int, positions: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.3):
+        return torch.randn(*shape, generator=g) * std
+
+    return {
+        "embedding.weight": normal(vocab, HIDDEN),
+        "position_embedding.weight": normal(positions, HIDDEN),
+        "fc1.weight": normal(FFN, HIDDEN),
+        "fc2.weight": normal(HIDDEN, FFN),
+        "output_layer.weight": normal(vocab, HIDDEN),
+    }
+
+
+def tiny_lm_logits(weights: dict[str, torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor):
+    """[B, S, V] next-token logits of every position."""
+    x = weights["embedding.weight"][input_ids] + weights["position_embedding.weight"][positions]
+    h = torch.tanh(x)
+    y = h + torch.tanh(h @ weights["fc1.weight"].T) @ weights["fc2.weight"].T
+    return y @ weights["output_layer.weight"].T
+
+
+def token_logprobs(weights, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] log-prob of each token given its prefix, 0 at position 0 (NeMo-RL's convention). Columns
+    past the position table are padding (the driver widens batches for FP8 packing): they read its last
+    row, as the Megatron-layout model does."""
+    table = weights["position_embedding.weight"].shape[0]
+    positions = torch.arange(input_ids.shape[1]).clamp(max=table - 1).expand_as(input_ids)
+    logits = tiny_lm_logits(weights, input_ids, positions)
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+# ---- assets -------------------------------------------------------------------------------------------
+# Prompts "a+b=?" whose answers are 2 or 3; the warm-started model answers with spaces, then 2 or 3 (each
+# half of the time, whatever the prompt), then EOS: "  3<eos>". The math verifier reads the last number.
+ANSWER_PROMPTS = [(a, b) for a in range(4) for b in range(4) if a + b in (2, 3)]
+
+
+def write_answer_jsonl(path: Path, n: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b = rng.choice(ANSWER_PROMPTS)
+            f.write(json.dumps({"input": f"{a}+{b}=?", "output": str(a + b)}) + "\n")
+    return path
+
+
+def _sample_response(rng: random.Random, tok: dict[str, int], prompt_len: int) -> list[int]:
+    """The warm start's target: 0-4 spaces, then '2' or '3' (half each), then EOS."""
+    out, pos = [], prompt_len
+    while True:
+        space_p = 0.5 if not out else (0.4 if pos < prompt_len + 4 else 0.0)
+        if rng.random() < space_p:
+            out.append(tok[" "])
+            pos += 1
+            continue
+        return out + [tok[rng.choice("23")], tok["eos"]]
+
+
+def warm_start(weights, tokenizer, steps: int = 300, seed: int = 0, batch_size: int = 64) -> None:
+    """Supervised steps on the target above (loss on the response tokens only), in place."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = {c: tokenizer.convert_tokens_to_ids(c) for c in " 23"} | {"eos": tokenizer.eos_token_id}
+    params = {k: v.clone().requires_grad_(True) for k, v in weights.items()}
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-2)
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            a, b = rng.choice(ANSWER_PROMPTS)
+            prompt = tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False)
+            rows.append((prompt, _sample_response(rng, tok, len(prompt))))
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        target_mask = torch.zeros(batch_size, width)
+        for i, (p, r) in enumerate(rows):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            target_mask[i, len(p) : len(p) + len(r)] = 1
+        lp = token_logprobs(params, ids)
+        loss = -(lp * target_mask).sum() / target_mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        for k in weights:
+            weights[k].copy_(params[k])
+
+
+def write_rehearsal_model(directory: Path, positions: int, seed: int = 0) -> Path:
+    """A model directory NeMo-RL can point at: the tokenizer (HF files), a config.json (read by NeMo-RL's
+    FLOPs tracker and `bapo-nemo check`; the architecture is the tiny LM's, described as the Qwen2 family
+    the shipped models belong to) and the warm-started weights in one-process form."""
+    from transformers import Qwen2Config
+
+    from bapo_nemo.embedded.tokenizer import build_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "right"
+    tokenizer.save_pretrained(directory)
+    vocab = len(tokenizer)
+    Qwen2Config(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=positions,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(directory)
+    torch.set_num_threads(1)  # the same float reductions on any machine
+    weights = init_tiny_lm(vocab, positions, seed)
+    warm_start(weights, tokenizer, seed=seed)
+    save_file(weights, str(directory / WEIGHTS_FILE))
+    (directory / SHAPE_FILE).write_text(json.dumps({"vocab": vocab, "positions": positions}))
+    return directory
+
+
+def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / WEIGHTS_FILE))
+
+
+# ---- refit hand-over ----------------------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class RefitMailbox:
+    """Holds the newest weights the policy posted; `take` waits for weights newer than the caller's.
+
+    The weights travel as safetensors bytes (`weights_to_bytes`), as vLLM's refit moves raw buffers:
+    a tensor pickled in a process that imported megatron-core (the policy workers) names megatron-core's
+    storage loader, so unpickling it would import megatron-core into the mailbox and every generation
+    worker (~5 CPU-s each, per run)."""
+
+    def __init__(self):
+        self.version, self.weights, self.policy_steps = 0, None, None
+        self.posted = asyncio.Condition()
+
+    async def post(self, weights: bytes, policy_steps: int) -> int:
+        async with self.posted:
+            self.version += 1
+            self.weights, self.policy_steps = weights, policy_steps
+            self.posted.notify_all()
+        return self.version
+
+    async def take(self, newer_than: int) -> tuple[int, bytes, int]:
+        async with self.posted:
+            await self.posted.wait_for(lambda: self.version > newer_than)
+            return self.version, self.weights, self.policy_steps
+
+
+def weights_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
+    return save(weights)
+
+
+_MAILBOX: list = []
+
+
+def refit_mailbox():
+    """The run's mailbox. Created by the first worker that asks and kept alive by the handle each worker
+    holds (a named actor goes away with its last reference): it ends with the run's workers, so a resumed
+    run gets a new one."""
+    if not _MAILBOX:
+        _MAILBOX.append(RefitMailbox.options(name=MAILBOX, get_if_exists=True).remote())
+    return _MAILBOX[0]
+
+
+RAY_TIMEOUT_S = 300
+
+
+# ---- vLLM's place -------------------------------------------------------------------------------------
+class TinyLMGenerationWorker:
+    """What both generation stand-ins share: each tied group's model owner (the worker given
+    `bundle_indices`, as in `BaseVllmGenerationWorker._init_config`) holds the tiny LM and samples from it
+    one token at a time; refit takes the newest weights from the mailbox; what was sampled is recorded
+    under RECORD_DIR_ENV."""
+
+    @staticmethod
+    def configure_worker(num_gpus, bundle_indices=None, num_gpus_per_node=None):
+        # As VllmGenerationWorker.configure_worker: the owner learns its bundles and a seed from them
+        # (num_gpus_per_node, which main passes, only places vLLM's ports: none here).
+        init_kwargs: dict[str, Any] = {}
+        if bundle_indices is not None:
+            node_idx, local = bundle_indices
+            init_kwargs["bundle_indices"] = local
+            init_kwargs["seed"] = node_idx * 1024 + local[0] // len(local)
+        return {"num_gpus": num_gpus}, {}, init_kwargs, {}
+
+    def __init__(self, config, bundle_indices=None, fraction_of_gpus=1.0, seed=None, **_: Any):
+        torch.set_num_threads(1)
+        self.cfg = config
+        self.is_model_owner = bundle_indices is not None
+        self.weights, self.version, self.seed = None, 0, seed
+        self.policy_steps = 0  # optimizer steps the weights have seen (refits say so)
+        if self.is_model_owner:
+            self.weights = load_weights(config["model_name"])
+            self.generator = torch.Generator().manual_seed(int(seed))
+
+    def is_alive(self) -> bool:
+        return True
+
+    def report_device_id(self) -> list[str]:
+        return [f"CPU-standin-{self.seed}"]
+
+    def response_budget(self, prompt_length: int) -> int:
+        """New tokens a request may take (VllmGenerationWorker: max_new_tokens, within max_model_len)."""
+        return max(0, min(int(self.cfg["max_new_tokens"]), int(self.cfg["vllm_cfg"]["max_model_len"]) - prompt_length))
+
+    @torch.no_grad()
+    def sample_next(self, sequence: list[int], greedy: bool) -> tuple[int, float]:
+        """One decode step: the next token after `sequence` and its log-prob (at the configured temperature)."""
+        temperature = float(self.cfg.get("temperature", 1.0))
+        ids = torch.tensor([sequence])
+        logits = tiny_lm_logits(self.weights, ids, torch.arange(len(sequence))[None])[0, -1] / temperature
+        probs = torch.softmax(logits.double(), -1)
+        token = int(probs.argmax()) if greedy else int(torch.multinomial(probs, 1, generator=self.generator))
+        return token, float(torch.log(probs[token]))
+
+    def check_refit_names(self, state_dict_info: dict[str, Any]) -> None:
+        if self.is_model_owner:
+            missing = set(self.weights) ^ set(state_dict_info)
+            if missing:
+                raise ValueError(f"refit names differ from the generation model's: {sorted(missing)}")
+
+    def install(self, taken: tuple[int, bytes, int]) -> bool:
+        """Weights taken from the mailbox (`RefitMailbox.take`) become the ones sampled from."""
+        version, weights, steps = taken
+        self.version, self.policy_steps = version, steps
+        self.weights = load(weights)
+        return True
+
+    def record(self, rows: list[dict[str, Any]], name: str) -> None:
+        """Append what was sampled to RECORD_DIR_ENV/generation/NAME.jsonl (when the variable is set)."""
+        directory = os.environ.get(RECORD_DIR_ENV)
+        if directory and rows:
+            path = Path(directory) / "generation" / f"{name}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+
+
+class CPUVllmGenerationWorkerImpl(TinyLMGenerationWorker):
+    """`VllmGenerationWorker`'s methods for the synchronous engine, with the tiny LM sampling in place of
+    vLLM's engine."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.sampled: list[dict[str, Any]] = []
+
+    def post_init(self):
+        return None
+
+    @torch.no_grad()
+    def generate(self, data, greedy: bool = False):
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+        from nemo_rl.models.generation.interfaces import verify_right_padding
+
+        pad = int(self.cfg["_pad_token_id"])
+        verify_right_padding(data, pad_value=pad)
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        stops = set(self.cfg.get("stop_token_ids") or [])
+        generated, logprobs = [], []
+        for i in range(input_ids.shape[0]):
+            prompt = input_ids[i, : int(input_lengths[i])].tolist()
+            budget = self.response_budget(len(prompt))
+            seq, lps = list(prompt), []
+            while len(seq) - len(prompt) < budget:
+                token, logprob = self.sample_next(seq, greedy)
+                seq.append(token)
+                lps.append(logprob)
+                if token in stops:
+                    break
+            generated.append(seq[len(prompt) :])
+            logprobs.append(lps)
+            self.sampled.append({"context": prompt, "tokens": seq[len(prompt) :], "logprobs": lps,
+                                 "policy_steps": self.policy_steps})
+            reached("generation.generate", self.seed)  # tests/support/nemo_faults.py: mid-batch
+        # VllmGenerationWorker.generate's layout: input padding kept, responses after each prompt.
+        max_length = max((len(g) for g in generated), default=0)
+        total = input_ids.shape[1] + max_length
+        output_ids = torch.full((len(generated), total), pad, dtype=input_ids.dtype)
+        full_logprobs = torch.zeros((len(generated), total), dtype=torch.float32)
+        for i, (g, lp) in enumerate(zip(generated, logprobs)):
+            n = int(input_lengths[i])
+            output_ids[i, :n] = input_ids[i, :n]
+            output_ids[i, n : n + len(g)] = torch.tensor(g, dtype=input_ids.dtype)
+            full_logprobs[i, n : n + len(g)] = torch.tensor(lp)
+        lengths = torch.tensor([len(g) for g in generated], dtype=torch.long)
+        truncated = [len(g) > 0 and g[-1] not in stops for g in generated]
+        self._flush_record()
+        return BatchedDataDict(
+            {
+                "output_ids": output_ids,
+                "logprobs": full_logprobs,
+                "generation_lengths": lengths,
+                "unpadded_sequence_lengths": input_lengths + lengths,
+                "truncated": torch.tensor(truncated, dtype=torch.bool),
+            }
+        )
+
+    def _flush_record(self) -> None:
+        self.record(self.sampled, f"owner{self.seed}")
+        self.sampled = []
+
+    # -- refit: the newest weights the policy posted ------------------------------------------------
+    def prepare_refit_info(self, state_dict_info: dict[str, Any]) -> None:
+        self.check_refit_names(state_dict_info)
+
+    def update_weights_via_ipc_zmq(self) -> bool:
+        if not self.is_model_owner:
+            return True
+        return self.install(ray.get(refit_mailbox().take.remote(self.version), timeout=RAY_TIMEOUT_S))
+
+    def update_weights_from_collective(self) -> bool:
+        return self.update_weights_via_ipc_zmq()
+
+    # -- engine life cycle: nothing to free on CPU ---------------------------------------------------
+    def sleep(self):
+        return None
+
+    def wake_up(self, **kwargs):
+        return None
+
+    def reset_prefix_cache(self):
+        return None
+
+    def _get_raw_spec_counters(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> bool:
+        self._flush_record()
+        return True
+
+
+@ray.remote
+class CPUVllmGenerationWorker(CPUVllmGenerationWorkerImpl):
+    """The Ray actor VllmGeneration starts for the synchronous engine."""
+
+
+# ---- vLLM's async engine --------------------------------------------------------------------------------
+# The request the async engine holds, as "AFTER:AT": the first request that arrives once AFTER requests have
+# finished on the engine is held when it has AT tokens, until the engine's next weight update (unset: none).
+HOLD_ENV = "BAPO_REHEARSAL_HOLD"
+
+
+@dataclass
+class Logprob:
+    """vllm.sequence.Logprob."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """vllm.outputs.CompletionOutput (cumulative: every token so far)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """vllm.outputs.RequestOutput."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stop_token_ids: set[int]
+    greedy: bool
+    arrived_after: int  # requests the engine had finished when this one arrived
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_steps: list[int] = field(default_factory=list)  # per token: optimizer steps of its weights
+    updates: list[int] = field(default_factory=list)  # per token: weight updates the engine had applied
+    held_at_update: int | None = None
+
+
+class CPUAsyncLLM:
+    """vLLM's AsyncLLM (the V1 engine `VllmAsyncGenerationWorkerImpl` holds as `self.llm`) for the tiny LM.
+    What it keeps of vLLM: `generate(prompt, sampling_params, request_id)` is an async generator of
+    cumulative RequestOutputs, one per engine step; one decode loop steps every running request by one token
+    per step (continuous batching); `collective_rpc` calls (the weight updates among them) wait in the
+    engine's input queue and run between two steps while the requests stay running, the engine pausing
+    only while it receives the weights; a request abandoned by its caller is aborted. The tiny LM has no
+    attention, so there is no KV cache to keep or reset.
+
+    For the rehearsal it can hold one designated request (HOLD_ENV): held requests are not stepped until
+    the next weight update, so that request's tokens come from two policy versions by construction.
+    Every finished request is recorded with its per-token log-probs and versions."""
+
+    def __init__(self, worker: TinyLMGenerationWorker, hold: tuple[int, int] | None = None):
+        self.worker = worker
+        self.engine_id = uuid.uuid4().hex
+        self.updates = 0  # weight updates applied (0: the weights the engine loaded itself)
+        self.finished = 0
+        self.hold = hold
+        self.designated: str | None = None
+        self._requests: dict[str, _Request] = {}
+        self._rpcs: deque = deque()
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- AsyncLLM's API ------------------------------------------------------------------------------
+    async def generate(self, prompt: dict, sampling_params: Any, request_id: str, **_: Any):
+        request = _Request(
+            request_id, list(prompt["prompt_token_ids"]), int(sampling_params.max_tokens),
+            set(sampling_params.stop_token_ids or []), float(sampling_params.temperature) == 0.0, self.finished,
+        )
+        self._requests[request_id] = request
+        self._kick()
+        try:
+            while True:
+                output = await request.outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self._requests.pop(request_id, None)
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """The engine's one worker runs `method` between two decode steps; one result per worker."""
+        done = asyncio.get_running_loop().create_future()
+        self._rpcs.append((method, args, kwargs or {}, done))
+        self._kick()
+        return [await done]
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def sleep(self, level: int = 1) -> None:
+        return None
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        for request in self._requests.values():  # a held request among them: its caller stops waiting
+            request.outputs.put_nowait(RuntimeError("engine shut down"))
+        if self._task is not None:
+            self._task.cancel()
+
+    # -- what collective_rpc runs in the worker (vLLM: the worker extension's methods) -----------------
+    async def _rpc_update_weights_from_collective(self) -> bool:
+        # vLLM receives an NCCL broadcast from the trainer; here the newest weights the policy posted
+        taken = await refit_mailbox().take.remote(self.worker.version)
+        self.worker.install(taken)
+        self.updates += 1
+        directory = os.environ.get(RECORD_DIR_ENV)
+        if directory:  # the weights each update brought, for the tests' log-prob references
+            path = Path(directory) / "generation" / "weights" / f"{self.engine_id}_{self.updates}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"policy_steps": self.worker.policy_steps, "weights": self.worker.weights}, path)
+        return True
+
+    _rpc_update_weights_via_ipc_zmq = _rpc_update_weights_from_collective
+
+    async def _rpc_prepare_refit_info(self, state_dict_info: dict) -> None:
+        self.worker.check_refit_names(state_dict_info)
+
+    async def _rpc_report_device_id(self) -> str:
+        return self.worker.report_device_id()[0]
+
+    async def _rpc_init_collective(self, *args: Any) -> None:
+        return None  # no NCCL group: the weights come through the mailbox
+
+    async def _rpc_bind_numa(self) -> None:
+        return None
+
+    async def _rpc_cleanup(self) -> None:
+        return None
+
+    # -- the engine loop -------------------------------------------------------------------------------
+    def _kick(self) -> None:
+        self._work.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while self._requests or self._rpcs:
+                while self._rpcs:  # between two steps
+                    method, args, kwargs, done = self._rpcs.popleft()
+                    try:
+                        done.set_result(await getattr(self, f"_rpc_{method}")(*args, **kwargs))
+                    except Exception as error:  # noqa: BLE001  # the caller's, as vLLM's collective_rpc raises it
+                        done.set_exception(error)
+                running = [r for r in self._requests.values() if not self._held(r)]
+                if not running:
+                    if not self._rpcs:
+                        self._work.clear()
+                        await self._work.wait()
+                    continue
+                for request in running:
+                    self._step(request)
+                await asyncio.sleep(0)  # the callers take their outputs; new requests and rpcs come in
+        except BaseException as error:
+            for request in self._requests.values():
+                request.outputs.put_nowait(error)
+            raise
+
+    def _held(self, request: _Request) -> bool:
+        if self.designated is None and self.hold is not None:
+            after, at = self.hold
+            if request.arrived_after >= after and len(request.tokens) == at:
+                self.designated, request.held_at_update = request.request_id, self.updates
+        return request.request_id == self.designated and request.held_at_update == self.updates
+
+    def _step(self, request: _Request) -> None:
+        token, logprob = self.worker.sample_next(request.prompt + request.tokens, request.greedy)
+        request.tokens.append(token)
+        request.logprobs.append(logprob)
+        request.policy_steps.append(self.worker.policy_steps)
+        request.updates.append(self.updates)
+        finish = "stop" if token in request.stop_token_ids else "length" if len(request.tokens) >= request.max_tokens else None
+        request.outputs.put_nowait(RequestOutput(
+            request.request_id, request.prompt,
+            [CompletionOutput(0, "", list(request.tokens), sum(request.logprobs),
+                              [{t: Logprob(lp)} for t, lp in zip(request.tokens, request.logprobs)], finish)],
+            finish is not None,
+        ))
+        if finish is not None:
+            del self._requests[request.request_id]
+            self.finished += 1
+            self.worker.record([{
+                "engine": self.engine_id, "request_id": request.request_id, "context": request.prompt,
+                "tokens": request.tokens, "logprobs": request.logprobs, "policy_steps": request.policy_steps,
+                "updates": request.updates, "held": request.held_at_update is not None,
+            }], f"async_owner{self.worker.seed}")
+
+
+def hold_from_env() -> tuple[int, int] | None:
+    value = os.environ.get(HOLD_ENV)
+    return tuple(int(x) for x in value.split(":")) if value else None
+
+
+class CPUVllmAsyncGenerationWorkerImpl(TinyLMGenerationWorker):
+    """`VllmAsyncGenerationWorkerImpl`'s methods that VllmGeneration and the trajectory collector call,
+    written as upstream's around `self.llm` (CPUAsyncLLM above in place of vLLM's AsyncLLM)."""
+
+    def __init__(self, config, bundle_indices=None, fraction_of_gpus=1.0, seed=None, extra_env_vars=None,
+                 defer_model_load=False, **kwargs: Any):
+        super().__init__(config, bundle_indices, fraction_of_gpus, seed, **kwargs)
+        self.llm = CPUAsyncLLM(self, hold_from_env()) if self.is_model_owner else None
+
+    async def post_init_async(self):
+        self.vllm_device_ids = await self.report_device_id_async()
+
+    async def report_dp_openai_server_base_url(self) -> str | None:
+        return None  # no HTTP server
+
+    async def report_device_id_async(self) -> list[str]:
+        return await self.llm.collective_rpc("report_device_id")
+
+    async def init_collective_async(self, rank_prefix, ip, port, world_size, train_world_size, **_: Any) -> None:
+        await self.llm.collective_rpc("init_collective", args=(rank_prefix, ip, port, world_size, train_world_size))
+
+    async def prepare_refit_info_async(self, state_dict_info: dict[str, Any]) -> None:
+        await self.llm.collective_rpc("prepare_refit_info", args=(state_dict_info,))
+
+    async def update_weights_via_ipc_zmq_async(self) -> bool:
+        return bool((await self.llm.collective_rpc("update_weights_via_ipc_zmq"))[0])
+
+    async def update_weights_from_collective_async(self) -> bool:
+        return bool((await self.llm.collective_rpc("update_weights_from_collective"))[0])
+
+    async def reset_prefix_cache_async(self):
+        await self.llm.reset_prefix_cache()
+
+    async def sleep_async(self):
+        await self.llm.reset_prefix_cache()
+        await self.llm.sleep(level=1)
+
+    async def wake_up_async(self, **kwargs):
+        await self.llm.wake_up(**({"tags": kwargs["tags"]} if kwargs.get("tags") is not None else {}))
+
+    def _get_raw_spec_counters(self) -> dict[str, float]:
+        return {}
+
+    def get_vllm_logger_metrics(self) -> dict[str, list]:
+        # upstream samples vLLM's Prometheus gauges on a thread (enable_vllm_metrics_logger): none here
+        return {"inflight_batch_sizes": [], "num_pending_samples": [], "kv_cache_usage_perc": [], "generation_tokens": []}
+
+    def clear_vllm_logger_metrics(self) -> None:
+        return None
+
+    async def generate_async(self, data, greedy: bool = False):
+        """Upstream's generate_async for its one sample: the prompt as format_prompt_for_vllm_generation
+        builds it, self.llm.generate's outputs taken to the last, the row in upstream's layout (the prompt
+        without padding, then the response; log-probs at the response's positions)."""
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+        from nemo_rl.models.generation.interfaces import verify_right_padding
+        from nemo_rl.models.generation.vllm.utils import format_prompt_for_vllm_generation
+
+        if len(data["input_ids"]) == 0:
+            return
+        verify_right_padding(data, pad_value=self.cfg["_pad_token_id"])
+        assert data["input_ids"].shape[0] == 1, "generate_async takes one sample (as upstream's)"
+        n = int(data["input_lengths"][0])
+        budget = self.response_budget(n)
+        final = None
+        if budget > 0:
+            params = SimpleNamespace(  # the fields of vLLM's SamplingParams the engine reads
+                max_tokens=budget, temperature=0.0 if greedy else float(self.cfg.get("temperature", 1.0)),
+                stop_token_ids=list(self.cfg.get("stop_token_ids") or []), logprobs=0,
+            )
+            async for output in self.llm.generate(prompt=format_prompt_for_vllm_generation(data, 0),
+                                                  sampling_params=params, request_id=str(uuid.uuid4())):
+                final = output
+            if final is None:
+                raise RuntimeError("no output received")
+        completion = final.outputs[0] if final is not None else None
+        tokens = list(completion.token_ids) if completion else []
+        input_ids = data["input_ids"][0]
+        output_ids = torch.cat([input_ids[:n], torch.tensor(tokens, dtype=input_ids.dtype)])
+        logprobs = torch.zeros(1, n + len(tokens))
+        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs if completion else [])):
+            logprobs[0, n + i] = entry[token].logprob
+        yield 0, BatchedDataDict({
+            "output_ids": output_ids[None],
+            "logprobs": logprobs,
+            "generation_lengths": torch.tensor([len(tokens)]),
+            "unpadded_sequence_lengths": torch.tensor([n + len(tokens)]),
+            "truncated": torch.tensor([completion is not None and completion.finish_reason == "length"]),
+        })
+
+    async def shutdown(self) -> bool:
+        if self.llm is not None:
+            self.llm.shutdown()  # upstream first runs the worker extension's cleanup (ZMQ sockets): none here
+        return True
+
+
+@ray.remote
+class CPUVllmAsyncGenerationWorker(CPUVllmAsyncGenerationWorkerImpl):
+    """The Ray actor VllmGeneration starts for the async engine (`vllm_cfg.async_engine: true`)."""
