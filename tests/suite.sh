@@ -3,9 +3,15 @@
 # constraints/cpu-py311.txt into the active environment), tier by tier (tests/README.md):
 #
 #   1. tests/unit, tests/cli and tests/slurm on this Python (3.11 or newer);
-#   2. tests/nemo_rl on NeMo-RL's own Python, 3.13, in .venv-nemo-rl (installed here, pinned by
-#      constraints/nemo-rl-py313.txt: torch, megatron-core 0.19.2 and the `nemo-cpu` extra), once per NeMo-RL
-#      source tree in NEMO_RL_SRCS (colon-separated; .ci/run sets v0.7.0's and main's from ../shared/upstream).
+#   2. tests/nemo_rl on NeMo-RL's own Python, 3.13, once per NeMo-RL source tree in NEMO_RL_SRCS
+#      (colon-separated; .ci/run sets v0.7.0's and main's from ../shared/upstream), each in its own
+#      environment .venv-nemo-rl/<tree's folder name> with NeMo-RL's torch (2.11.0) and the CPU build of the
+#      vLLM that tree pins (tests/support/nemo_rl_venv.sh, from constraints/nemo-rl-vllm-<X>-py313.txt).
+#
+# The parts run at the same time, each with its own pytest workers and its own log, printed whole when it
+# ends: each part waits on subprocesses, servers and schedulers for much of its time, and one after another
+# they left the cores idle for more than half of the run. The rehearsals, the tier's largest tests, take
+# turns across the trees where memory asks for it (tests/support/nemo_rehearsal.py, rehearsal_slots).
 #
 # Without a tree (NEMO_RL_SRCS and NEMO_RL_SRC unset) the NeMo-RL tests skip, each with its reason. Without
 # Python 3.13 (PYTHON313, `python3.13` on PATH, or pyenv's 3.13.0; NeMo-RL itself requires it) the command
@@ -16,6 +22,10 @@ cd "$(dirname "$0")/.." || exit 1
 
 trees=${NEMO_RL_SRCS:-${NEMO_RL_SRC:-}}
 IFS=: read -r -a tree_list <<< "$trees"
+python_tiers=(tests/unit tests/cli tests/slurm)
+# pytest workers per NeMo-RL tier: each holds NeMo-RL, torch and megatron-core (~1 GB), beside the other
+# parts' workers and the rehearsals' Ray actors on one machine.
+TIER_WORKERS=${TIER_WORKERS:-2}
 
 find_python313() {
   local candidate
@@ -29,7 +39,6 @@ find_python313() {
   done
 }
 
-python_tiers=(tests/unit tests/cli tests/slurm)
 if [ -z "$trees" ]; then
   exec pytest "${python_tiers[@]}" "$@"
 fi
@@ -39,41 +48,64 @@ if [ -z "$python313" ]; then
   exec env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
 fi
 
-# NeMo-RL's environment is built while the rest of the suite runs.
-venv=.venv-nemo-rl
-(
-  rm -rf "$venv" && "$python313" -m venv "$venv" \
-    && "$venv/bin/pip" install -q -c constraints/nemo-rl-py313.txt torch==2.13.0 -e '.[test,nemo-cpu]'
-) > "$venv.log" 2>&1 &
-build=$!
+venvs=.venv-nemo-rl
+logs=$venvs/logs
+rm -rf "$logs" && mkdir -p "$logs"
+venv_of() { echo "$venvs/$(basename "$1")"; }
 
-declare -A status seconds
-start=$SECONDS
-part="${python_tiers[*]}, $(python -V 2>&1)"
-env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
-status["$part"]=$?
-seconds["$part"]=$((SECONDS - start))
+# part NAME COMMAND...: runs COMMAND in the background into $logs/NAME.log; its exit status and seconds
+# land in $logs/NAME.status when it ends.
+parts=()
+part() {
+  local name=$1
+  shift
+  parts+=("$name")
+  (
+    started=$SECONDS
+    "$@" > "$logs/$name.log" 2>&1
+    echo "$? $((SECONDS - started))" > "$logs/$name.status"
+  ) &
+}
 
-if ! wait "$build"; then
-  echo "could not build $venv with $python313 (its log: $venv.log):" >&2
-  tail -n 20 "$venv.log" >&2
-  exit 1
-fi
-echo "== $venv ready $((SECONDS - start)) s after the suite started"
-for tree in "${tree_list[@]}"; do
+# tier TREE READY_FILE PREVIOUS_READY: builds the tree's environment (after the previous tree's, whose
+# packages then come from uv's cache), then runs tests/nemo_rl in it.
+tier() {
+  local tree=$1 ready=$2 previous=$3 venv
+  venv=$(venv_of "$tree")
+  shift 3
+  while [ -n "$previous" ] && [ ! -e "$previous" ]; do sleep 1; done
+  bash tests/support/nemo_rl_venv.sh "$tree" "$venv" "$python313"
+  local built=$?
+  touch "$ready"
+  [ "$built" -eq 0 ] || { echo "could not build $venv for $tree with $python313"; return 1; }
   echo "== NeMo-RL tier on $("$venv/bin/python" -V 2>&1) against $tree"
-  part="tests/nemo_rl, $tree"
-  tier_start=$SECONDS
-  NEMO_RL_SRC=$tree "$venv/bin/pytest" tests/nemo_rl "$@"
-  status["$part"]=$?
-  seconds["$part"]=$((SECONDS - tier_start))
-done
+  NEMO_RL_SRC=$tree "$venv/bin/pytest" tests/nemo_rl -n "$TIER_WORKERS" "$@"
+}
 
-echo "== suite: $((SECONDS - start)) s"
-failed=0
-for part in "${!status[@]}"; do
-  code=${status[$part]}
-  # pytest exit 5: nothing collected (e.g. a -k that matches only one part)
-  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then failed=1; echo "FAILED (exit $code): $part (${seconds[$part]} s)"; else echo "ok: $part (${seconds[$part]} s)"; fi
+start=$SECONDS
+part unit+cli+slurm env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
+previous=""
+for tree in "${tree_list[@]}"; do
+  name=nemo_rl-$(basename "$tree")
+  part "$name" tier "$tree" "$logs/$name.ready" "$previous" "$@"
+  previous=$logs/$name.ready
 done
+wait
+
+failed=0
+summary=()
+for name in "${parts[@]}"; do
+  echo "== $name: its log ($logs/$name.log)"
+  cat "$logs/$name.log"
+  read -r code seconds < "$logs/$name.status" || { code=1; seconds="?"; }
+  # pytest exit 5: nothing collected (e.g. a -k that matches only one part)
+  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
+    failed=1
+    summary+=("FAILED (exit $code): $name ($seconds s)")
+  else
+    summary+=("ok: $name ($seconds s)")
+  fi
+done
+echo "== suite: $((SECONDS - start)) s"
+printf '%s\n' "${summary[@]}"
 exit $failed

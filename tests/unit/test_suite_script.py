@@ -1,7 +1,8 @@
 """tests/suite.sh, the README's test command's runner, driven with stand-in programs at its boundary: `pytest`
-(the one on PATH, and the one in .venv-nemo-rl) and Python 3.13 (`PYTHON313`), each recording how it was
-called. Real pytest runs of both parts are what CI itself does; here, what the script decides: which part
-runs where, against which NeMo-RL tree, with which lock, and the exit status."""
+(the one on PATH, and the one in each tree's environment), Python 3.13 (`PYTHON313`) and the environment
+builder tests/support/nemo_rl_venv.sh, each recording how it was called. Real pytest runs of every part are
+what CI itself does; here, what the script decides: which part runs where, against which NeMo-RL tree, in
+which environment, what it prints, and the exit status."""
 
 from __future__ import annotations
 
@@ -17,21 +18,24 @@ REPO = Path(__file__).resolve().parents[2]
 # pytest on PATH: records its arguments and NEMO_RL_SRC; fails when FAIL_WHEN matches its NEMO_RL_SRC.
 FAKE_PYTEST = """#!/bin/sh
 echo "pytest NEMO_RL_SRC=${NEMO_RL_SRC:-} $*" >> "$CALLS"
+echo "python tiers ran"
 [ -n "${FAIL_WHEN:-}" ] && [ "${NEMO_RL_SRC:-}" = "$FAIL_WHEN" ] && exit 1
 exit 0
 """
-# Python 3.13: answers the version check, and `-m venv DIR` makes DIR/bin/{pip,pytest,python} that record.
+# Python 3.13: answers the version check.
 FAKE_PYTHON313 = """#!/bin/sh
 if [ "$1" = -c ]; then exit 0; fi
-if [ "$1" = -m ] && [ "$2" = venv ]; then
-  mkdir -p "$3/bin"
-  printf '#!/bin/sh\\necho "venv-pip $*" >> "$CALLS"\\n' > "$3/bin/pip"
-  printf '#!/bin/sh\\necho "venv-pytest NEMO_RL_SRC=$NEMO_RL_SRC $*" >> "$CALLS"\\n[ -n "$FAIL_WHEN" ] && [ "$NEMO_RL_SRC" = "$FAIL_WHEN" ] && exit 1\\nexit 0\\n' > "$3/bin/pytest"
-  printf '#!/bin/sh\\necho "Python 3.13.0"\\n' > "$3/bin/python"
-  chmod +x "$3/bin/pip" "$3/bin/pytest" "$3/bin/python"
-  exit 0
-fi
 exit 2
+"""
+# tests/support/nemo_rl_venv.sh TREE VENV PYTHON: records the call; VENV/bin/{pytest,python} record in turn.
+FAKE_VENV_BUILDER = """#!/bin/sh
+echo "venv $1 $2 $(basename "$3")" >> "$CALLS"
+[ -n "${BUILD_FAILS_FOR:-}" ] && [ "$1" = "$BUILD_FAILS_FOR" ] && exit 1
+mkdir -p "$2/bin"
+printf '#!/bin/sh\\necho "venv-pytest $0 NEMO_RL_SRC=$NEMO_RL_SRC $*" >> "$CALLS"\\necho "tier ran for $NEMO_RL_SRC"\\n[ -n "$FAIL_WHEN" ] && [ "$NEMO_RL_SRC" = "$FAIL_WHEN" ] && exit 1\\nexit 0\\n' > "$2/bin/pytest"
+printf '#!/bin/sh\\necho "Python 3.13.0"\\n' > "$2/bin/python"
+chmod +x "$2/bin/pytest" "$2/bin/python"
+echo "$2: NeMo-RL $(basename "$1") in 1 s"
 """
 
 
@@ -39,8 +43,9 @@ exit 2
 def checkout(tmp_path):
     """A copy of the script in a checkout-shaped directory, fakes on PATH, the calls log."""
     root = tmp_path / "checkout"
-    (root / "tests").mkdir(parents=True)
+    (root / "tests" / "support").mkdir(parents=True)
     shutil.copy(REPO / "tests" / "suite.sh", root / "tests" / "suite.sh")
+    (root / "tests" / "support" / "nemo_rl_venv.sh").write_text(FAKE_VENV_BUILDER)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("pytest", FAKE_PYTEST), ("python3.13-fake", FAKE_PYTHON313)):
@@ -48,7 +53,8 @@ def checkout(tmp_path):
         (bin_dir / name).chmod(0o755)
     (bin_dir / "python").symlink_to(shutil.which("python3") or "/usr/bin/python3")
     calls = tmp_path / "calls.log"
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "HOME": str(tmp_path), "PYENV_ROOT": "/none"}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), "HOME": str(tmp_path), "PYENV_ROOT": "/none",
+           "NEMO_RL_SRCS": "/trees/v070:/trees/main", "PYTHON313": str(bin_dir / "python3.13-fake")}
     return root, bin_dir, calls, env
 
 
@@ -57,35 +63,51 @@ def run(root: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, check=False)
 
 
-def test_every_tree_gets_the_nemo_rl_tier_on_python_313(checkout):
-    root, bin_dir, calls, env = checkout
-    done = run(root, {**env, "NEMO_RL_SRCS": "/trees/v070:/trees/main", "PYTHON313": str(bin_dir / "python3.13-fake")}, "-x")
+def test_every_tree_gets_the_nemo_rl_tier_in_its_own_environment_beside_the_python_tiers(checkout):
+    root, _, calls, env = checkout
+    done = run(root, env, "-x")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = calls.read_text().splitlines()
-    # The NeMo-RL environment is built in the background while the rest of the suite runs: those two lines
-    # come in either order, and both before the tiers, which wait for the build.
-    assert sorted(lines[:2]) == [
-        "pytest NEMO_RL_SRC= tests/unit tests/cli tests/slurm -x",  # the rest of the suite, no tree in sight
-        "venv-pip install -q -c constraints/nemo-rl-py313.txt torch==2.13.0 -e .[test,nemo-cpu]",
-    ]
-    assert lines[2:] == ["venv-pytest NEMO_RL_SRC=/trees/v070 tests/nemo_rl -x",
-                         "venv-pytest NEMO_RL_SRC=/trees/main tests/nemo_rl -x"]
-    assert re.search(r"^ok: tests/nemo_rl, /trees/main \(\d+ s\)$", done.stdout, re.MULTILINE), done.stdout
-    assert "FAILED" not in done.stdout
+    # All parts start at once: the package's tiers, and each tree's build then its tier; the second tree's
+    # environment is built after the first's (its packages then come from uv's cache).
+    assert "pytest NEMO_RL_SRC= tests/unit tests/cli tests/slurm -x" in lines  # no tree in sight
+    v070 = [line for line in lines if "v070" in line]
+    main = [line for line in lines if "main" in line]
+    assert v070 == ["venv /trees/v070 .venv-nemo-rl/v070 python3.13-fake",
+                    "venv-pytest .venv-nemo-rl/v070/bin/pytest NEMO_RL_SRC=/trees/v070 tests/nemo_rl -n 2 -x"]
+    assert main == ["venv /trees/main .venv-nemo-rl/main python3.13-fake",
+                    "venv-pytest .venv-nemo-rl/main/bin/pytest NEMO_RL_SRC=/trees/main tests/nemo_rl -n 2 -x"]
+    assert lines.index(v070[0]) < lines.index(main[0])
+    # each part's log printed whole, in a fixed order, then one line per part
+    out = done.stdout
+    assert out.index("python tiers ran") < out.index("tier ran for /trees/v070") < out.index("tier ran for /trees/main")
+    assert ".venv-nemo-rl/main: NeMo-RL main in 1 s" in out
+    assert re.search(r"^ok: nemo_rl-main \(\d+ s\)$", out, re.MULTILINE), out
+    assert re.search(r"^ok: unit\+cli\+slurm \(\d+ s\)$", out, re.MULTILINE), out
+    assert "FAILED" not in out
 
 
 def test_a_failing_tier_fails_the_command_and_is_named(checkout):
-    root, bin_dir, _, env = checkout
-    done = run(root, {**env, "NEMO_RL_SRCS": "/trees/v070:/trees/main", "FAIL_WHEN": "/trees/main",
-                      "PYTHON313": str(bin_dir / "python3.13-fake")})
+    root, _, _, env = checkout
+    done = run(root, {**env, "FAIL_WHEN": "/trees/main"})
     assert done.returncode == 1
-    assert "FAILED (exit 1): tests/nemo_rl, /trees/main" in done.stdout
-    assert "ok: tests/nemo_rl, /trees/v070" in done.stdout
+    assert re.search(r"^FAILED \(exit 1\): nemo_rl-main \(\d+ s\)$", done.stdout, re.MULTILINE), done.stdout
+    assert "ok: nemo_rl-v070" in done.stdout and "ok: unit+cli+slurm" in done.stdout
+
+
+def test_an_environment_that_does_not_build_fails_its_tier_and_the_next_tree_still_runs(checkout):
+    root, _, calls, env = checkout
+    done = run(root, {**env, "BUILD_FAILS_FOR": "/trees/v070"})
+    assert done.returncode == 1
+    assert "could not build .venv-nemo-rl/v070 for /trees/v070" in done.stdout
+    assert "FAILED (exit 1): nemo_rl-v070" in done.stdout and "ok: nemo_rl-main" in done.stdout
+    assert not any("NEMO_RL_SRC=/trees/v070" in line for line in calls.read_text().splitlines())
 
 
 def test_without_python_313_one_line_says_how_and_only_this_pythons_tiers_run(checkout):
     root, _, calls, env = checkout
-    done = run(root, {**env, "NEMO_RL_SRCS": "/trees/v070:/trees/main"})
+    env = {k: v for k, v in env.items() if k != "PYTHON313"}
+    done = run(root, env)
     assert done.returncode == 0, done.stdout + done.stderr
     (said,) = [line for line in done.stdout.splitlines() if "Python 3.13" in line]
     assert said.startswith("Python 3.13 (NeMo-RL's own) not found: the NeMo-RL tier (tests/nemo_rl) is skipped")
@@ -95,5 +117,6 @@ def test_without_python_313_one_line_says_how_and_only_this_pythons_tiers_run(ch
 
 def test_without_a_tree_it_is_plain_pytest(checkout):
     root, _, calls, env = checkout
+    env = {k: v for k, v in env.items() if k != "NEMO_RL_SRCS"}
     assert run(root, env, "-k", "x").returncode == 0
     assert calls.read_text().splitlines() == ["pytest NEMO_RL_SRC= tests/unit tests/cli tests/slurm -k x"]
