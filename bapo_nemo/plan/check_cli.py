@@ -297,7 +297,7 @@ def main(args) -> int:
     comparison, mode_findings = modes_check(args, config, plan, step)
     findings = findings + step_findings + mode_findings
     errors = [x for x in findings if x.level == "error"]
-    stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
+    stats = search_statistics(args, config, plan)[0]  # kept: the same simulation run_check made
     cost = step_cost(args, config, plan)
     step_time = step.estimate if step is not None else None
     if args.json:
