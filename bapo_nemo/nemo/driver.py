@@ -87,12 +87,12 @@ def _embedded_config(path: str) -> str | None:
 def preflight(config: dict) -> list[Finding]:
     """The same rules as `bapo-nemo check`, for the shape written in the config's cluster section."""
     nodes, gpn = int(get(config, "cluster.num_nodes", 1)), int(get(config, "cluster.gpus_per_node", 1))
-    plan, findings = plan_cluster(config, nodes, gpn)
     model = None
     try:
         model = resolve_model(str(get(config, "policy.model_name")))
     except (UnknownModelError, OSError, KeyError):
         pass  # unknown models only lose the head-divisibility rule here; `bapo-nemo check` reports it
+    plan, findings = plan_cluster(config, nodes, gpn, model)
     # Relative prompt files resolve where NeMo-RL will open them: this process's working directory. Keys
     # are those of the NeMo-RL installed here, which the job runs (v0.7.0's where none is).
     return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd(), nemo_rl=_schema_here())

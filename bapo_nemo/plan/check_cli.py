@@ -230,14 +230,16 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
             "--nemo-rl v0.7.0 or --nemo-rl main, or run the check inside the NeMo-RL image"
         )
     config = load_nemo_config(args.config, args.overrides)
-    plan, findings = plan_cluster(config, args.nodes, args.gpus_per_node)
-    model = None
+    model, findings = None, []
     try:
         model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
     except UnknownModelError as exc:
         findings.append(Finding("error", "policy.model_name", str(exc)))
     except (OSError, KeyError, json.JSONDecodeError) as exc:
         findings.append(Finding("error", "--hf-config", f"cannot read the model's config.json: {exc}"))
+    changed = {item.split("=", 1)[0].lstrip("+~") for item in args.overrides}
+    plan, layout_findings = plan_cluster(config, args.nodes, args.gpus_per_node, model, changed)
+    findings = layout_findings + findings
     findings += check_config(
         config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir, nemo_rl=args.nemo_rl
     )
