@@ -16,7 +16,7 @@ from rich.table import Table
 from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
 from bapo_nemo.plan.checks import check_config
 from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.config_io import ConfigLoadError, defaults_base, load_nemo_config
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.generation_print import generation_json, print_generation, print_modes, seconds_json
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
@@ -231,6 +231,9 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
         )
     config = load_nemo_config(args.config, args.overrides)
     model, findings = None, []
+    note = defaults_base(args.config)[1]
+    if note is not None:
+        findings.append(Finding("warning", "defaults", note))
     try:
         model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
     except UnknownModelError as exc:
