@@ -19,9 +19,11 @@ from bapo_nemo.plan.cluster_plan import plan_cluster
 from bapo_nemo.plan.config_io import ConfigLoadError, defaults_base, load_nemo_config
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.generation_print import generation_json, print_generation, print_modes, seconds_json
+from bapo_nemo.plan.gpus import fp8_rules
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.mode_compare import ModeComparison, async_warnings, compare_modes
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.run_cost import cost_json, cost_line, run_cost
 from bapo_nemo.plan.schema import DEFAULT_SCHEMA, SCHEMAS
 from bapo_nemo.plan.search_stats import (
     DEFAULT_PASS_RATE_BETA,
@@ -246,6 +248,7 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
     findings += check_config(
         config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir, nemo_rl=args.nemo_rl
     )
+    findings += fp8_rules(config, args.gpu)
     mem = None
     if plan is not None and model is not None:
         if plan.backend != "megatron":
@@ -305,6 +308,7 @@ def main(args) -> int:
     stats = search_statistics(args, config, plan)[0]  # kept: the same simulation run_check made
     cost = step_cost(args, config, plan)
     step_time = step.estimate if step is not None else None
+    run = None if step_time is None else run_cost(config, step_time, args.nodes * args.gpus_per_node)
     if args.json:
         print(
             json.dumps(
@@ -327,6 +331,7 @@ def main(args) -> int:
                     "step_granularity_cost": None if cost is None else cost.__dict__,
                     "step_time_s": None if step_time is None else seconds_json(step_time),
                     "generation": None if step is None else generation_json(step, comparison),
+                    "run_cost": None if run is None else cost_json(run),
                 },
                 indent=2,
             )
@@ -392,6 +397,8 @@ def main(args) -> int:
             f"{step_time.margin_s:.0f}s margin, rounded up to a minute): "
             f"sbatch --signal=B:USR1@{step_time.recommended_lead_s}"
         )
+    if run is not None:
+        console.print(cost_line(run))
     if findings:
         table = Table(title="findings")
         table.add_column("level")

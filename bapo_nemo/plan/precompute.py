@@ -26,17 +26,18 @@ ASYNC_32B = [
     "policy.generation.vllm_cfg.async_engine=true",
     "policy.generation.vllm_cfg.gpu_memory_utilization=0.8",
 ]
-# The 2-node smoke run of docs/cluster.md ("Before the first 64-GPU run").
+# The 2-node smoke run of docs/cluster.md ("Before the first 64-GPU run"; tests/test_plan_smoke_recipe.py
+# holds the two equal).
 SMOKE_32B = [
     "++cluster.num_nodes=2",
     "policy.megatron_cfg.context_parallel_size=2",
     "grpo.max_num_steps=2",
     "grpo.num_prompts_per_step=8",
     "policy.train_global_batch_size=32",
+    "grpo.val_at_start=false",
     "grpo.max_val_samples=32",
     "grpo.val_batch_size=32",
-    "checkpointing.checkpoint_dir=results/bapo_32b_smoke/checkpoints",
-    "logger.log_dir=results/bapo_32b_smoke/logs",
+    "logger.mlflow.run_name=bapo_32b_smoke",
 ]
 # `bapo-nemo check` argv of each shipped run.
 PRESET_RUNS: dict[str, list[str]] = {
