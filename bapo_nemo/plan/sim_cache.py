@@ -148,7 +148,10 @@ def cache_dir() -> Path | None:
         return None
     if setting:
         return Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no home directory: keep nothing on disk
+        return None
     return Path(base) / "bapo-nemo" / "check"
 
 
