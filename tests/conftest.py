@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +44,9 @@ os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `bapo-nemo check`'s kept simulations (bapo_nemo/plan/sim_cache.py): one directory for every worker and
+# run of the suite, not the developer's ~/.cache. A result is keyed by its code, so reuse is safe.
+os.environ.setdefault("BAPO_NEMO_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"bapo-nemo-check-cache-{os.getuid()}"))
 
 # NeMo-RL from source (NEMO_RL_SRC, set per tree by tests/suite.sh): the shim puts the source on sys.path
 # (and, on Python < 3.12, aliases typing.TypedDict/NotRequired). Run it here for this process, and put its folder (and this checkout) on

@@ -31,7 +31,7 @@ import yaml
 from bapo_nemo.config_kind import wrong_tool_for_embedded
 from bapo_nemo.plan.checks import bapo_enabled, check_config
 from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.config_io import ConfigLoadError, defaults_base, get, load_with_defaults
 from bapo_nemo.plan.findings import Finding
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
 from bapo_nemo.plan.schema import DEFAULT_SCHEMA
@@ -87,12 +87,12 @@ def _embedded_config(path: str) -> str | None:
 def preflight(config: dict) -> list[Finding]:
     """The same rules as `bapo-nemo check`, for the shape written in the config's cluster section."""
     nodes, gpn = int(get(config, "cluster.num_nodes", 1)), int(get(config, "cluster.gpus_per_node", 1))
-    plan, findings = plan_cluster(config, nodes, gpn)
     model = None
     try:
         model = resolve_model(str(get(config, "policy.model_name")))
     except (UnknownModelError, OSError, KeyError):
         pass  # unknown models only lose the head-divisibility rule here; `bapo-nemo check` reports it
+    plan, findings = plan_cluster(config, nodes, gpn, model)
     # Relative prompt files resolve where NeMo-RL will open them: this process's working directory. Keys
     # are those of the NeMo-RL installed here, which the job runs (v0.7.0's where none is).
     return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd(), nemo_rl=_schema_here())
@@ -150,13 +150,25 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
 
 
 def load_config(args: argparse.Namespace, overrides: list[str]) -> dict:
-    """The master config as NeMo-RL's run_grpo.py reads it (YAML + `defaults:` + Hydra overrides), resolved."""
-    from nemo_rl.utils.config import load_config as load_nemo_rl_config
-    from nemo_rl.utils.config import parse_hydra_overrides, register_omegaconf_resolvers
+    """The master config as NeMo-RL's run_grpo.py reads it (YAML + `defaults:` + Hydra overrides), resolved;
+    a copied preset's bare `defaults:` names resolve against the shipped configs/ as `bapo-nemo check` reads
+    them (plan/config_io.py)."""
+    from nemo_rl.utils.config import (
+        load_config_with_inheritance,
+        parse_hydra_overrides,
+        register_omegaconf_resolvers,
+    )
     from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
-    config = load_nemo_rl_config(args.config)
+    base_dir, note = defaults_base(args.config)
+    if note is not None:
+        print(note)
+    try:
+        config = load_config_with_inheritance(args.config, base_dir)
+    except FileNotFoundError:
+        load_with_defaults(args.config, base_dir)  # raises the error naming the entry and its fix
+        raise
     if overrides:
         config = parse_hydra_overrides(config, overrides)
     return OmegaConf.to_container(config, resolve=True)
@@ -271,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from bapo_nemo.tracking.nemo_rl import after_setup, finish_nemo_tracking, prepare_logger_config
 
-    config = load_config(args, overrides)
+    try:
+        config = load_config(args, overrides)
+    except ConfigLoadError as exc:  # a `defaults:` entry that does not exist: the line names the fix
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         off_path = check_before_start(config, args.skip_checks)
     except SeamError as exc:

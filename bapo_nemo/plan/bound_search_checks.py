@@ -19,10 +19,9 @@ from bapo_nemo.plan.search_stats import (
     LengthModelError,
     SearchShape,
     SearchStats,
-    length_moments,
-    simulate,
     too_few,
 )
+from bapo_nemo.plan.simulations import length_moments, search_statistics
 from bapo_nemo.plan.step_cost import StepCost, step_granularity_cost
 
 
@@ -61,7 +60,7 @@ def search_statistics_rules(
     cap = min(int(get(config, "policy.generation.max_new_tokens", seq)), seq - shape.prompt_tokens)
     lengths = LengthModel(max_tokens=cap) if lengths is None else replace(lengths, max_tokens=cap)
     try:
-        stats = simulate(shape, lengths, pass_rate_beta)
+        stats = search_statistics(shape, lengths, pass_rate_beta)
     except LengthModelError as exc:
         return None, [Finding("error", "policy.sequence_packing.train_mb_tokens", str(exc))]
     if not too_few(stats):

@@ -16,12 +16,14 @@ from rich.table import Table
 from bapo_nemo.plan.bound_search_checks import search_statistics_rules, step_granularity_cost_for
 from bapo_nemo.plan.checks import check_config
 from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.config_io import ConfigLoadError, defaults_base, load_nemo_config
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.generation_print import generation_json, print_generation, print_modes, seconds_json
+from bapo_nemo.plan.gpus import fp8_rules
 from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB, MemoryEstimate, estimate
 from bapo_nemo.plan.mode_compare import ModeComparison, async_warnings, compare_modes
 from bapo_nemo.plan.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.run_cost import cost_json, cost_line, run_cost
 from bapo_nemo.plan.schema import DEFAULT_SCHEMA, SCHEMAS
 from bapo_nemo.plan.search_stats import (
     DEFAULT_PASS_RATE_BETA,
@@ -230,17 +232,23 @@ def run_check(args) -> tuple[dict, list[Finding], MemoryEstimate | None, object]
             "--nemo-rl v0.7.0 or --nemo-rl main, or run the check inside the NeMo-RL image"
         )
     config = load_nemo_config(args.config, args.overrides)
-    plan, findings = plan_cluster(config, args.nodes, args.gpus_per_node)
-    model = None
+    model, findings = None, []
+    note = defaults_base(args.config)[1]
+    if note is not None:
+        findings.append(Finding("warning", "defaults", note))
     try:
         model = resolve_model(str(value(config, "policy.model_name")), args.hf_config)
     except UnknownModelError as exc:
         findings.append(Finding("error", "policy.model_name", str(exc)))
     except (OSError, KeyError, json.JSONDecodeError) as exc:
         findings.append(Finding("error", "--hf-config", f"cannot read the model's config.json: {exc}"))
+    changed = {item.split("=", 1)[0].lstrip("+~") for item in args.overrides}
+    plan, layout_findings = plan_cluster(config, args.nodes, args.gpus_per_node, model, changed)
+    findings = layout_findings + findings
     findings += check_config(
         config, plan, model, check_paths=not args.no_path_checks, workdir=args.workdir, nemo_rl=args.nemo_rl
     )
+    findings += fp8_rules(config, args.gpu)
     mem = None
     if plan is not None and model is not None:
         if plan.backend != "megatron":
@@ -297,9 +305,10 @@ def main(args) -> int:
     comparison, mode_findings = modes_check(args, config, plan, step)
     findings = findings + step_findings + mode_findings
     errors = [x for x in findings if x.level == "error"]
-    stats = search_statistics(args, config, plan)[0]  # cached: the same simulation run_check made
+    stats = search_statistics(args, config, plan)[0]  # kept: the same simulation run_check made
     cost = step_cost(args, config, plan)
     step_time = step.estimate if step is not None else None
+    run = None if step_time is None else run_cost(config, step_time, args.nodes * args.gpus_per_node)
     if args.json:
         print(
             json.dumps(
@@ -322,6 +331,7 @@ def main(args) -> int:
                     "step_granularity_cost": None if cost is None else cost.__dict__,
                     "step_time_s": None if step_time is None else seconds_json(step_time),
                     "generation": None if step is None else generation_json(step, comparison),
+                    "run_cost": None if run is None else cost_json(run),
                 },
                 indent=2,
             )
@@ -387,6 +397,8 @@ def main(args) -> int:
             f"{step_time.margin_s:.0f}s margin, rounded up to a minute): "
             f"sbatch --signal=B:USR1@{step_time.recommended_lead_s}"
         )
+    if run is not None:
+        console.print(cost_line(run))
     if findings:
         table = Table(title="findings")
         table.add_column("level")

@@ -1,8 +1,8 @@
 """Checks of a NeMo-RL GRPO config for one cluster shape: what would otherwise fail (or silently
 misbehave) hours into a cluster job. Each finding names the key and the fix. `check_config` runs every
 rule: the layout's (cluster_plan.py builds the plan), the BAPO block's, the partial-rollout block's
-(partial_checks.py), the async GRPO block's (async_checks.py), batches, generation, the loss, checkpoints
-and paths (path_checks.py).
+(partial_checks.py), the async GRPO block's (async_checks.py), batches, generation, the lengths the run
+would cut (length_checks.py), the loss, checkpoints and paths (path_checks.py).
 
 A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's defaults from
 `examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS` in bapo_nemo/plan/findings.py).
@@ -16,6 +16,7 @@ from bapo_nemo.plan.async_checks import async_rules
 from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
+from bapo_nemo.plan.length_checks import length_rules
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.partial_checks import partial_rollout_rules
 from bapo_nemo.plan.path_checks import path_rules
@@ -41,6 +42,7 @@ def check_config(
         f += _parallel_rules(config, plan, model)
         f += _batch_rules(config, plan)
     f += _generation_rules(config, plan, model)
+    f += length_rules(config)
     f += _loss_rules(config, plan)
     f += _checkpoint_rules(config)
     if check_paths:
@@ -224,16 +226,6 @@ def _generation_rules(config: dict, plan: ClusterPlan | None, model: ModelShape 
                     f"{gen_gpus} generation GPUs are not a multiple of vLLM TP*PP = {vllm_tp * vllm_pp}",
                 )
             )
-    seq = int(value(config, "policy.max_total_sequence_length"))
-    max_len = get(config, "policy.generation.vllm_cfg.max_model_len", seq)
-    if max_len is not None and int(max_len) < seq:
-        f.append(
-            Finding(
-                "warning",
-                "policy.generation.vllm_cfg.max_model_len",
-                f"{max_len} < max_total_sequence_length={seq}: responses are cut at {max_len}",
-            )
-        )
     return f
 
 

@@ -4,11 +4,14 @@ estimates read; with the findings where the layout cannot work (each names the k
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
 from bapo_nemo.plan.memory import GenerationSetup, Parallelism, TrainingSetup
+from bapo_nemo.plan.models import ModelShape
+from bapo_nemo.plan.parallel_fit import Layout, layout_findings
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,10 @@ class ClusterPlan:
     generation: GenerationSetup
 
 
-def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterPlan | None, list[Finding]]:
-    """World-size decomposition: train GPUs = TP * PP * CP * DP (Megatron) or TP * CP * DP (DTensor)."""
+def plan_cluster(config: dict, nodes: int, gpus_per_node: int, model: ModelShape | None = None,
+                 changed: Collection[str] = ()) -> tuple[ClusterPlan | None, list[Finding]]:
+    """World-size decomposition: train GPUs = TP * PP * CP * DP (Megatron) or TP * CP * DP (DTensor).
+    `model` and `changed` (the keys the user overrode) let a layout error name what to change and to what."""
     f: list[Finding] = []
     megatron = bool(value(config, "policy.megatron_cfg.enabled"))
     # v0.7.0's base config enables DTensor; Megatron configs switch it off explicitly.
@@ -96,14 +101,9 @@ def plan_cluster(config: dict, nodes: int, gpus_per_node: int) -> tuple[ClusterP
         )
         return None, f
     if train_gpus % model_parallel:
-        f.append(
-            Finding(
-                "error",
-                f"{prefix}.tensor_model_parallel_size" if megatron else f"{prefix}.tensor_parallel_size",
-                f"{train_gpus} training GPUs are not a multiple of TP*PP*CP = {tp}*{pp}*{cp} = {model_parallel}: "
-                f"change the parallel sizes or the number of nodes",
-            )
-        )
+        divisible = int(value(config, "policy.make_sequence_length_divisible_by") or 1)
+        layout = Layout(megatron, tp, pp, cp, sp, divisible)
+        f += layout_findings(layout, train_gpus, model, set(changed), nodes, gpus_per_node, gen_gpus)
         return None, f
     dp = train_gpus // model_parallel
     if sp and tp == 1:

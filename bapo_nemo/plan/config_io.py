@@ -2,6 +2,9 @@
 
 - `defaults:` inheritance: a path or list of paths relative to the file; parents merged in order, then
   the file on top; a section marked `_override_: true` replaces the parent's section instead of merging.
+  A copied preset (`cp configs/bapo_32b.yaml mine.yaml`) names its parent by a bare name that is not beside
+  the copy: when none of its entries is beside it and all are shipped presets, they are read from the
+  shipped configs/ (`defaults_base`, with a one-line note); the NeMo-RL driver resolves them the same way.
 - resolvers `${mul:a,b}`, `${div:a,b}`, `${max:a,b}` (registered by NeMo-RL's run scripts).
 - Hydra-style overrides `a.b=1`, `+a.b=1` (add), `++a.b=1` (add or set), `~a.b` (delete).
 """
@@ -17,6 +20,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bapo_nemo.config_kind import wrong_tool_for_embedded
+
+# The shipped presets (configs/ of the checkout this package runs from).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 class ConfigLoadError(ValueError):
@@ -56,7 +62,42 @@ def _merge(base: DictConfig, child: DictConfig) -> DictConfig:
     return OmegaConf.merge(base, child)
 
 
-def load_with_defaults(path: str | Path) -> DictConfig:
+def _entries(defaults: Any) -> list[str]:
+    if defaults is None:
+        return []
+    return [str(p) for p in defaults] if isinstance(defaults, (list, ListConfig)) else [str(defaults)]
+
+
+def defaults_base(path: str | Path) -> tuple[Path, str | None]:
+    """The directory `path`'s own `defaults:` entries resolve against (NeMo-RL's `base_dir`): beside the
+    file, or for a copied preset the shipped configs/, with the line that says so."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return path.parent, None  # the loader reports it
+    relative = [e for e in _entries(data.get("defaults") if isinstance(data, dict) else None) if not e.startswith("/")]
+    beside = [e for e in relative if (path.parent / e).is_file()]
+    shipped = [e for e in relative if "/" not in e and (SHIPPED_CONFIGS / e).is_file()]
+    if not relative or beside or len(shipped) < len(relative):
+        return path.parent, None
+    note = (f"{path}: defaults {', '.join(relative)} not beside it: read from the shipped presets, "
+            f"{SHIPPED_CONFIGS}")
+    return SHIPPED_CONFIGS, note
+
+
+def missing_default(path: Path, entry: str, resolved: Path) -> str:
+    """The error for a `defaults:` entry that does not exist, with the line that fixes it."""
+    if "/" not in entry and (SHIPPED_CONFIGS / entry).is_file():
+        fix = f"it is a shipped preset: write `defaults: {SHIPPED_CONFIGS / entry}`"
+    else:
+        fix = f"write its path relative to {path.parent} or an absolute one"
+    return f"{path}: defaults entry {entry!r} -> {resolved} does not exist: {fix}"
+
+
+def load_with_defaults(path: str | Path, base_dir: Path | None = None) -> DictConfig:
+    """`base_dir`: where this file's own `defaults:` entries resolve (default: beside it); its parents'
+    entries resolve beside each parent, as NeMo-RL's `load_config_with_inheritance` does."""
     path = Path(path)
     if not path.is_file():
         raise ConfigLoadError(f"{path}: no such config file")
@@ -69,13 +110,12 @@ def load_with_defaults(path: str | Path) -> DictConfig:
     if (wrong_tool := wrong_tool_for_embedded(str(path), dict(config))) is not None:
         raise ConfigLoadError(wrong_tool)
     if "defaults" in config:
-        parents = config.pop("defaults")
-        parents = [str(p) for p in parents] if isinstance(parents, ListConfig) else [str(parents)]
+        parents = _entries(config.pop("defaults"))
         base = OmegaConf.create({})
         for parent in parents:
-            parent_path = Path(parent) if parent.startswith("/") else path.parent / parent
+            parent_path = Path(parent) if parent.startswith("/") else (base_dir or path.parent) / parent
             if not parent_path.is_file():
-                raise ConfigLoadError(f"{path}: defaults entry {parent!r} -> {parent_path} does not exist")
+                raise ConfigLoadError(missing_default(path, parent, parent_path))
             base = _merge(base, load_with_defaults(parent_path))
         config = _merge(base, config)
     return config
@@ -111,7 +151,7 @@ def apply_overrides(config: DictConfig, overrides: list[str]) -> DictConfig:
 def load_nemo_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """The resolved master config as plain dicts/lists (what NeMo-RL's MasterConfig receives)."""
     register_resolvers()
-    config = apply_overrides(load_with_defaults(path), list(overrides or []))
+    config = apply_overrides(load_with_defaults(path, defaults_base(path)[0]), list(overrides or []))
     try:
         return OmegaConf.to_container(config, resolve=True)
     except (OmegaConfBaseException, ValueError, TypeError) as exc:

@@ -22,7 +22,7 @@ not a measurement:
   one is admitted) `n` is fixed and `K` grows by `n` per step, so a run of steps has a closed-form time.
   With tensor parallelism each step also runs two all-reduces per layer of the batch's hidden states
   (after attention and after the MLP) over NVLink: `ALLREDUCE_LATENCY_S` each plus the ring's
-  2 (g - 1) / g bytes per GPU at `NVLINK_BYTES_PER_S`.
+  2 (g - 1) / g bytes per GPU at the GPU's NVLink bandwidth (plan/gpus.py).
 - **Prefill** of a context of T tokens of which C are in the prefix cache: (T - C) * 2N FLOPs plus
   attention 2 L q (T^2 - C^2), at `DECODE_MFU`. It is charged on the engine's clock with no decode progress:
   vLLM mixes prefill chunks of up to `max_num_batched_tokens` (16,384 on H100) into decode steps, and a
@@ -41,17 +41,17 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from bapo_nemo.plan.gpus import GPUS
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.step_time import DECODE_MFU, GPU_HBM_BYTES_PER_S, GPU_PEAK_BF16_FLOPS, HBM_EFFICIENCY
 
-# NVLink 4 (H100/H200 SXM): 900 GB/s per GPU, 450 GB/s each way; latency of one small all-reduce within
-# an NVLink node (vLLM's custom all-reduce / NCCL for messages of a few MB): ~10 us.
-NVLINK_BYTES_PER_S = 450e9
+# Latency of one small all-reduce within an NVLink node (vLLM's custom all-reduce / NCCL for messages of a
+# few MB): ~10 us. The bandwidth is each GPU's NVLink, each way (plan/gpus.py).
 ALLREDUCE_LATENCY_S = 10e-6
 
-# vLLM's `max_num_seqs` for the offline `LLM` class on GPUs with >= 70 GiB (H100, H200), which NeMo-RL's
-# workers use unless policy.generation.vllm_kwargs.max_num_seqs sets it (vllm/engine/arg_utils.py,
-# EngineArgs.get_batch_defaults).
+# vLLM's `max_num_seqs` for the offline `LLM` class on GPUs with >= 70 GiB (every GPU of plan/gpus.py),
+# which NeMo-RL's workers use unless policy.generation.vllm_kwargs.max_num_seqs sets it
+# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults).
 DEFAULT_MAX_NUM_SEQS = 1024
 
 
@@ -131,7 +131,7 @@ def engine_for(
         dense_flops_per_token=2.0 * model.num_parameters(),
         attention_flops_per_key=4.0 * model.num_layers * model.q_dim,
         allreduce_s=all_reduces * ALLREDUCE_LATENCY_S,
-        allreduce_s_per_sequence=all_reduces * ring_bytes / NVLINK_BYTES_PER_S,
+        allreduce_s_per_sequence=all_reduces * ring_bytes / GPUS[gpu].nvlink_bytes_per_s,
     )
 
 

@@ -12,24 +12,22 @@ config's choice is far from it. The numbers come from the simulator of plan/gene
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import DEFAULT_MAX_NUM_SEQS, engine_for
 from bapo_nemo.plan.findings import Finding
-from bapo_nemo.plan.generation import (
-    RolloutShape,
-    StepStats,
+from bapo_nemo.plan.generation import RolloutShape, StepStats
+from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB
+from bapo_nemo.plan.models import ModelShape
+from bapo_nemo.plan.search_stats import LengthModel
+from bapo_nemo.plan.simulations import (
     expected_response_tokens,
     simulate_partial,
     simulate_validation,
     simulate_without_partial,
 )
-from bapo_nemo.plan.memory import GB, GPU_CAPACITY_GB
-from bapo_nemo.plan.models import ModelShape
-from bapo_nemo.plan.search_stats import LengthModel
 from bapo_nemo.rollout.config import PartialRolloutConfig, PartialRolloutConfigError
 
 # A config's choice is "far" from the best when its step is this much longer (10%).
@@ -132,13 +130,6 @@ class GenerationReport:
         return stats.tokens_per_s / self.without.tokens_per_s
 
 
-# One simulation per distinct setting in a process (the sweep shares runs with the config's own block,
-# and repeated checks of one config reuse them).
-_partial = functools.lru_cache(maxsize=64)(simulate_partial)
-_without = functools.lru_cache(maxsize=16)(simulate_without_partial)
-_validation = functools.lru_cache(maxsize=32)(simulate_validation)
-
-
 def generation_report(
     shape: RolloutShape,
     lengths: LengthModel,
@@ -151,19 +142,19 @@ def generation_report(
     report = GenerationReport(
         shape=shape,
         response_tokens=expected_response_tokens(shape, lengths),
-        without=_without(shape, lengths, steps=steps),
-        validation_without_s=_validation(shape, lengths),
+        without=simulate_without_partial(shape, lengths, steps=steps),
+        validation_without_s=simulate_validation(shape, lengths),
         prefill_batches=prefill_batches,
     )
     cap = (partial.max_response_tokens if partial else None) or shape.max_new_tokens
     base = partial or PartialRolloutConfig(token_budget=cap, stale_segments="keep")
     if partial is not None:
-        report.configured = _partial(shape, lengths, partial, prefill_batches, steps=steps)
+        report.configured = simulate_partial(shape, lengths, partial, prefill_batches, steps=steps)
         report.configured_budget = partial.token_budget
-        report.validation_configured_s = _validation(shape, lengths, partial)
+        report.validation_configured_s = simulate_validation(shape, lengths, partial)
     if sweep:
         for budget in budget_grid(min(cap, shape.response_cap), partial.token_budget if partial else None):
-            report.sweep[budget] = _partial(shape, lengths, covering(base, budget, cap), prefill_batches, steps=steps)
+            report.sweep[budget] = simulate_partial(shape, lengths, covering(base, budget, cap), prefill_batches, steps=steps)
     return report
 
 

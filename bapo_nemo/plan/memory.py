@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bapo_nemo.plan.gpus import GPUS
 from bapo_nemo.plan.models import ModelShape
 
 GB = 1e9
@@ -22,7 +23,7 @@ GB = 1e9
 RUNTIME_RESERVE_BYTES = 4 * GB
 # Caching-allocator fragmentation on the training peak.
 FRAGMENTATION = 0.10
-GPU_CAPACITY_GB = {"h100-80gb": 80.0, "h200-141gb": 141.0}
+GPU_CAPACITY_GB = {name: gpu.memory_gb for name, gpu in GPUS.items()}
 
 
 @dataclass(frozen=True)

@@ -18,21 +18,20 @@ print it; docs/cluster.md section 8 holds the rule that reads it.
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass, field
 
-from bapo_nemo.plan.async_generation import AsyncSetting, AsyncStats, simulate_async, transfer_seconds
+from bapo_nemo.plan.async_generation import AsyncSetting, AsyncStats, transfer_seconds
 from bapo_nemo.plan.cluster_plan import ClusterPlan, plan_cluster
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import GenerationModelError
 from bapo_nemo.plan.findings import Finding, value
-from bapo_nemo.plan.generation import RolloutShape, response_moments
 from bapo_nemo.plan.generation_check import rollout_shape_for
 from bapo_nemo.plan.memory import estimate
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.search_stats import LengthModel
+from bapo_nemo.plan.simulations import response_moments, simulate_async
 from bapo_nemo.plan.step_plan import ASYNC_SIMULATED_STEPS, StepPlan
-from bapo_nemo.plan.step_time import TrainCost, shape_from_config, train_cost
+from bapo_nemo.plan.step_time import shape_from_config, train_cost
 
 # Dedicated generation GPUs hold no training state: NeMo-RL's own async recipe for Qwen3-32B
 # (examples/configs/recipes/llm/performance/grpo-qwen3-32b-8n8g-async-1off.yaml) raises the share from
@@ -132,40 +131,14 @@ def async_splits(config: dict, nodes: int, gpus_per_node: int, model: ModelShape
     return splits
 
 
-@dataclass(frozen=True)
-class _SplitRun:
-    """One async simulation's inputs, hashable for the cache."""
-
-    shape: RolloutShape
-    lengths: LengthModel
-    setting: AsyncSetting
-    train_per_token: float
-    train_per_token_squared: float
-    transfer_s: float
-    steps: int
-
-
-# one sampling of the lengths per split, not per mode
-_moments = functools.lru_cache(maxsize=64)(response_moments)
-
-
-@functools.lru_cache(maxsize=256)
-def _simulate(run: _SplitRun) -> AsyncStats:
-    return simulate_async(
-        run.shape, run.lengths, run.setting, TrainCost(run.train_per_token, run.train_per_token_squared),
-        run.transfer_s, steps=run.steps,
-    )
-
-
 def simulate_split(split: Split, model: ModelShape, gpu: str, lengths: LengthModel, prompt_tokens: int,
                    setting: AsyncSetting, steps: int = SIMULATED_STEPS) -> AsyncStats:
     shape = rollout_shape_for(split.config, split.generation_gpus, model, gpu, prompt_tokens)
     if shape.max_model_len > shape.engine.kv_tokens:
         raise GenerationModelError(f"max_model_len {shape.max_model_len} exceeds an engine's KV cache")
-    mean, mean_squared = _moments(shape, lengths)
+    mean, mean_squared = response_moments(shape, lengths)
     cost = train_cost(model, shape_from_config(split.config, split.plan.train_gpus, mean, mean_squared), gpu)
-    return _simulate(_SplitRun(shape, lengths, setting, cost.per_token, cost.per_token_squared,
-                               transfer_seconds(model), steps))
+    return simulate_async(shape, lengths, setting, cost, transfer_seconds(model), steps=steps)
 
 
 def async_result(stats: AsyncStats, split: Split, setting: AsyncSetting, gpus: int) -> ModeResult:

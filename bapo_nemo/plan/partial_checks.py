@@ -6,7 +6,7 @@ Lengths, as the hook applies them (bapo_nemo.nemo.partial_rollout): a response g
 `token_budget` tokens per step, for at most `max_resumptions + 1` segments, up to the response cap
 (`max_response_tokens`, else `policy.generation.max_new_tokens`), after a prompt of up to
 `data.max_input_seq_length` tokens. The trained sequence (prompt + response) must fit
-`policy.max_total_sequence_length` and, with sequence packing, one packing bin
+`policy.max_total_sequence_length` (and vLLM's `max_model_len`) and, with sequence packing, one packing bin
 (`policy.sequence_packing.train_mb_tokens` / `logprob_mb_tokens`).
 """
 
@@ -16,6 +16,7 @@ import math
 
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.findings import Finding, value
+from bapo_nemo.plan.length_checks import context
 from bapo_nemo.rollout.config import (
     PartialRolloutConfig,
     PartialRolloutConfigError,
@@ -78,14 +79,15 @@ def length_rules(config: dict, partial: PartialRolloutConfig) -> list[Finding]:
     segments_limit = budget * partial.max_segments
     longest = min(cap, segments_limit)
     limit_key = "partial_rollouts.max_resumptions" if segments_limit < cap else cap_key
-    if prompt + longest > seq:
+    ctx, ctx_key = context(config)
+    if prompt + longest > ctx:
         f.append(
             Finding(
                 "error",
                 limit_key,
                 f"a response may grow to {longest} tokens (token_budget {budget} x {partial.max_segments} "
                 f"segments, response cap {cap}), which after a {prompt}-token prompt (data.max_input_seq_length) "
-                f"exceeds policy.max_total_sequence_length={seq}: lower it to at most {seq - prompt} tokens",
+                f"exceeds {ctx_key}={ctx}: lower it to at most {ctx - prompt} tokens",
             )
         )
     if bool(value(config, "policy.sequence_packing.enabled")):
@@ -102,7 +104,7 @@ def length_rules(config: dict, partial: PartialRolloutConfig) -> list[Finding]:
                         f"{bin_tokens - prompt}, or raise the bin",
                     )
                 )
-            elif prompt + longest > bin_tokens and prompt + longest <= seq:  # else the rule above said it
+            elif prompt + longest > bin_tokens and prompt + longest <= ctx:  # else the rule above said it
                 f.append(
                     Finding(
                         "error",

@@ -21,7 +21,6 @@ saturated bounds, decided by packing instead of by the policy.
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from collections.abc import Sequence
@@ -156,7 +155,6 @@ def searches_of_global_batch(lengths: Sequence[int], shape: SearchShape) -> list
     return [[i for b in bins[j : j + shape.dp] for i in b] for j in range(0, len(bins), shape.dp)]
 
 
-@functools.lru_cache(maxsize=32)  # `bapo-nemo check` asks once for findings and once for its table
 def simulate(
     shape: SearchShape,
     lengths: LengthModel,

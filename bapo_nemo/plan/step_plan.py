@@ -8,18 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bapo_nemo.plan.async_generation import (
-    REPLAY_BYTES_PER_TOKEN,
-    AsyncSetting,
-    AsyncStats,
-    simulate_async,
-    transfer_seconds,
-)
+from bapo_nemo.plan.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting, AsyncStats, transfer_seconds
 from bapo_nemo.plan.cluster_plan import ClusterPlan
 from bapo_nemo.plan.config_io import get
 from bapo_nemo.plan.engine_sim import GenerationModelError
 from bapo_nemo.plan.findings import Finding
-from bapo_nemo.plan.generation import RolloutShape, StepStats, response_moments
+from bapo_nemo.plan.generation import RolloutShape, StepStats
 from bapo_nemo.plan.generation_check import (
     DRIVER_BYTES_PER_TOKEN,
     SIMULATED_STEPS,
@@ -33,6 +27,7 @@ from bapo_nemo.plan.generation_check import (
 )
 from bapo_nemo.plan.models import ModelShape
 from bapo_nemo.plan.search_stats import LengthModel
+from bapo_nemo.plan.simulations import response_moments, simulate_async
 from bapo_nemo.plan.step_time import (
     DEFAULT_FS_WRITE_GBPS_PER_NODE,
     StepTimeEstimate,

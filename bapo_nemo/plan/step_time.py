@@ -28,12 +28,12 @@ import math
 from dataclasses import dataclass
 
 from bapo_nemo.plan.config_io import get
+from bapo_nemo.plan.gpus import GPUS
 from bapo_nemo.plan.models import ModelShape
 
-# Dense (no sparsity) tensor-core peaks and HBM bandwidth, SXM parts, from NVIDIA's H100 and H200
-# datasheets: BF16 989.4 TFLOPS on both; HBM3 3.35 TB/s (H100 80 GB), HBM3e 4.8 TB/s (H200 141 GB).
-GPU_PEAK_BF16_FLOPS = {"h100-80gb": 989.4e12, "h200-141gb": 989.4e12}
-GPU_HBM_BYTES_PER_S = {"h100-80gb": 3.35e12, "h200-141gb": 4.8e12}
+# Dense tensor-core peaks and HBM bandwidth from NVIDIA's data sheets (plan/gpus.py cites them).
+GPU_PEAK_BF16_FLOPS = {name: gpu.bf16_flops for name, gpu in GPUS.items()}
+GPU_HBM_BYTES_PER_S = {name: gpu.hbm_bytes_per_s for name, gpu in GPUS.items()}
 # Assumed efficiencies. TRAIN_MFU: Megatron dense training of 7B-70B models reaches 0.4-0.5 of the BF16
 # peak in pre-training; RL micro-batches are smaller and packed, so 0.35. DECODE_MFU for the rare
 # compute-bound decode steps. HBM_EFFICIENCY: vLLM decode reaches 0.6-0.8 of the HBM bandwidth.

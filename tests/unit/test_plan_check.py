@@ -101,8 +101,8 @@ def _broken(tmp_path, text):
         ),
         (
             "policy.megatron_cfg.context_parallel_size=3",
-            "policy.megatron_cfg.tensor_model_parallel_size",
-            "not a multiple of TP*PP*CP",
+            "policy.megatron_cfg.context_parallel_size",
+            "CP can be 1, 2 or 4",
         ),
         ("policy.sequence_packing.fuse_loss=false", "policy.sequence_packing.fuse_loss", "set it true"),
         (
