@@ -1,6 +1,6 @@
 """Writes plan/precomputed.json: every simulation `bapo-nemo check` runs on the shipped presets (with its
 default options), computed afresh, so a first `check` of a preset answers without simulating. Run it
-after changing a simulator or its inputs (tests/test_plan_sim_cache.py fails until then):
+after changing a simulator or its inputs (tests/unit/test_plan_sim_cache.py fails until then):
 
     python -m bapo_nemo.plan.precompute
 """
@@ -26,7 +26,7 @@ ASYNC_32B = [
     "policy.generation.vllm_cfg.async_engine=true",
     "policy.generation.vllm_cfg.gpu_memory_utilization=0.8",
 ]
-# The 2-node smoke run of docs/cluster.md ("Before the first 64-GPU run"; tests/test_plan_smoke_recipe.py
+# The 2-node smoke run of docs/cluster.md ("Before the first 64-GPU run"; tests/cli/test_plan_smoke_recipe.py
 # holds the two equal).
 SMOKE_32B = [
     "++cluster.num_nodes=2",

@@ -14,10 +14,10 @@ import pytest
 from bapo_nemo.plan.gpus import GPUS
 from bapo_nemo.plan.precompute import SMOKE_32B
 from bapo_nemo.plan.run_cost import saves, validations
-from tests import cli_process
-from tests.hang_guard import HANG_GUARD_S
+from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "cluster.md").read_text()
 RECIPE = DOC.split("### Before the first 64-GPU run: a 2-step smoke run", 1)[1].split("\n#", 1)[0]
 

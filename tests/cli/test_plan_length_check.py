@@ -13,10 +13,10 @@ import pytest
 
 from bapo_nemo.plan.check_cli import configure_parser, run_check
 from bapo_nemo.plan.config_io import load_nemo_config
-from tests import cli_process
-from tests.hang_guard import HANG_GUARD_S
+from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 # bapo_32b: max_total_sequence_length 40,960, prompts up to 2,048 (data.max_input_seq_length), FP8
 # blockwise with TP 8 x CP 4 and sequence parallel: lengths in multiples of 128 x 2*4 x 8 = 8,192.

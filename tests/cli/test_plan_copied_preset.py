@@ -5,7 +5,6 @@ it."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -13,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.plan.config_io import SHIPPED_CONFIGS, ConfigLoadError, load_nemo_config
-from tests import cli_process
-from tests.hang_guard import HANG_GUARD_S
+from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = ["--nodes", "8", "--gpus-per-node", "8"]
 
 
@@ -58,16 +57,3 @@ def test_a_parent_of_a_parent_resolves_beside_its_own_file(tmp_path):
         load_nemo_config(tmp_path / "mine.yaml")
 
 
-@pytest.mark.nemo_rl
-def test_the_driver_reads_a_copied_preset_as_check_does(tmp_path, capsys):
-    from bapo_nemo.nemo.driver import load_config
-
-    shutil.copy(REPO / "configs" / "bapo_32b_partial.yaml", tmp_path / "mine.yaml")
-    overrides = ["grpo.max_num_steps=3"]
-    driver = load_config(argparse.Namespace(config=str(tmp_path / "mine.yaml")), overrides)
-    assert "defaults bapo_32b.yaml not beside it: read from the shipped presets" in capsys.readouterr().out
-    assert driver == load_nemo_config(tmp_path / "mine.yaml", overrides)
-    (tmp_path / "mid.yaml").write_text("defaults: bapo_7b.yaml\n")
-    (tmp_path / "top.yaml").write_text("defaults: mid.yaml\n")
-    with pytest.raises(ConfigLoadError, match="it is a shipped preset: write `defaults: "):
-        load_config(argparse.Namespace(config=str(tmp_path / "top.yaml")), [])

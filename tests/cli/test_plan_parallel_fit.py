@@ -11,10 +11,10 @@ import pytest
 
 from bapo_nemo.plan.models import BUILTIN
 from bapo_nemo.plan.parallel_fit import Layout, fitting, node_counts
-from tests import cli_process
-from tests.hang_guard import HANG_GUARD_S
+from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MEGATRON = "policy.megatron_cfg"
 
 
