@@ -30,11 +30,12 @@ from tests.support.nemo_rehearsal import (
     load_preset,
     policy_records,
     rehearsal_assets,
+    rehearsal_slots,
     scaled_partial_rollouts,
     sized_overrides,
 )
 
-pytestmark = pytest.mark.timeout(2700)
+pytestmark = pytest.mark.timeout(2700)  # with the wait for the rehearsal slots
 RUN_GUARD_S = 2400
 
 PRESET = REPO / "configs" / "bapo_32b_64k.yaml"  # its partial rollouts are state a checkpoint must keep
@@ -67,7 +68,7 @@ def faults(tmp_path_factory):
     spec = root / "spec.json"
     spec.write_text(json.dumps({"root": str(root), "config": str(config), "num_gpus": LAYOUT[0] * LAYOUT[1] * LAYOUT[2]}))
     log = root / "faults.log"
-    with log.open("w") as out:
+    with log.open("w") as out, rehearsal_slots(1):
         done = subprocess.run([sys.executable, "-m", "tests.support.nemo_fault_rehearsal_run", str(spec)], cwd=REPO,
                               stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)
     assert done.returncode == 0, f"the fault rehearsal's process failed ({log}):\n{log.read_text()[-5000:]}"

@@ -58,7 +58,7 @@ from tests.support.nemo_rehearsal import (
 # at the peak, so never beside a second copy). The module fixture's work is fixed (one driver run, 16 Ray
 # workers started) and its wall time follows the machine's load; the limits here are for hangs only, the
 # driver process's below pytest-timeout's so that a hang fails with the driver's log.
-pytestmark = pytest.mark.timeout(2700)
+pytestmark = pytest.mark.timeout(2700)  # with the wait for the rehearsal slots
 RUN_GUARD_S = 2400
 
 # bapo_32b.yaml's 64k variant: bapo_32b.yaml with every block it ships (Megatron, packing with fuse_loss,
@@ -234,7 +234,7 @@ def rehearsal(tmp_path_factory):
     root = tmp_path_factory.mktemp("rehearsal")
     assets = rehearsal_assets(root, sequence=SEQUENCE)
     config, info = rehearsal_config(root, assets)
-    spec = {"num_gpus": TP * CP * DP}
+    spec = {"num_gpus": TP * CP * DP, "slots": 2}  # ~9 GB at its peak: alone on the machine
     return run_rehearsal(root, assets, config, info, spec, RUN_GUARD_S)
 
 

@@ -10,10 +10,14 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock, Timeout
 
 from tests.support.nemo_tiny_config import data_env_logger
 
@@ -99,6 +103,38 @@ def async_checkpoint_saves() -> bool:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
+# The NeMo-RL tiers of several trees run at once (tests/suite.sh). Two rehearsals fit the machine's memory
+# side by side, the Megatron one (17 Ray actors, ~9 GB) only alone: a rehearsal takes one of two slots,
+# machine-wide, the Megatron one both.
+REHEARSAL_SLOTS = [Path(tempfile.gettempdir()) / f"bapo-nemo-rehearsal-slot-{i}.lock" for i in range(2)]
+
+
+@contextmanager
+def rehearsal_slots(count: int):
+    """Hold `count` (1 or 2) of the machine's rehearsal slots while the block runs."""
+    with ExitStack() as held:
+        if count == len(REHEARSAL_SLOTS):
+            for path in REHEARSAL_SLOTS:  # always in this order: two takers of both never deadlock
+                held.enter_context(FileLock(str(path)))
+        else:
+            while not _take_a_free_slot(held):
+                time.sleep(1)
+        yield
+
+
+def _take_a_free_slot(held: ExitStack) -> bool:
+    for path in REHEARSAL_SLOTS:
+        lock = FileLock(str(path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        held.callback(lock.release)
+        return True
+    return False
+
+
+
 def rehearsal_assets(root: Path, *, sequence: int) -> dict:
     """The tiny LM (warm-started, positions for `sequence` tokens), the training prompts and the MLflow
     store a rehearsal runs on."""
@@ -116,7 +152,7 @@ def run_rehearsal(root: Path, assets: dict, config: Path, info: dict, spec: dict
     their record, as load_rehearsal reads it."""
     (root / "spec.json").write_text(json.dumps({"config": str(config), "root": str(root), **spec}))
     log = root / "driver.log"
-    with log.open("w") as out:
+    with log.open("w") as out, rehearsal_slots(spec.get("slots", 1)):
         done = subprocess.run([sys.executable, "-m", "tests.support.nemo_megatron_rehearsal_run", str(root / "spec.json")],
                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=guard_s, check=False)
     assert done.returncode == 0, f"the rehearsal's driver process failed ({log}):\n{log.read_text()[-5000:]}"
