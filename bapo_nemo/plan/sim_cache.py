@@ -2,9 +2,10 @@
 function's inputs and of the code that computes it, so a hit is what a fresh run would return.
 
 - **Key.** sha256 of the function's name, the `repr` of its bound arguments (frozen dataclasses of
-  numbers, strings and tuples: exact and stable across runs), and the code version: the source of the
-  function's module and of every `bapo_nemo` module it imports, transitively, plus the standard library's
-  `random.py` (the draws). Any edit to one of them makes every key of that function new. Not keyed: the C
+  numbers, strings and tuples: exact and stable across runs), and the code version: the code (its syntax
+  tree, comments and docstrings left out) of the function's module and of every `bapo_nemo` module it
+  imports, transitively, plus the standard library's `random.py` (the draws). Any edit to that code makes
+  every key of that function new; prose does not. Not keyed: the C
   math library's last-bit rounding of `exp`/`log`, which could move a rounded length only at an exact tie.
 - **Where.** In this process; then `precomputed.json` beside this file (the shipped presets' results,
   written by `python -m bapo_nemo.plan.precompute`); then one JSON file per key under
@@ -14,6 +15,7 @@ function's inputs and of the code that computes it, so a hit is what a fresh run
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -101,8 +103,19 @@ def source_closure(module: str) -> list[Path]:
 def code_version(module: str) -> str:
     digest = hashlib.sha256()
     for path in [*source_closure(module), Path(__file__), Path(random.__file__)]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(path.name.encode() + b"\0" + _code_of(path).encode() + b"\0")
     return digest.hexdigest()
+
+
+def _code_of(path: Path) -> str:
+    """A module's code without its comments and docstrings: editing prose keeps every key."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def cache_key(fn: Callable, args: tuple, kwargs: dict) -> str:

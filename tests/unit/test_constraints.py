@@ -108,7 +108,7 @@ def test_every_nemo_rl_tree_here_has_the_lock_of_the_vllm_it_pins():
 
 
 def test_the_tier_environment_is_built_from_the_lock_without_resolving_again():
-    script = (REPO / "tests" / "nemo_rl_venv.sh").read_text()
+    script = (REPO / "tests" / "support" / "nemo_rl_venv.sh").read_text()
     assert 'uv pip sync -q --no-config --python "$venv/bin/python" "$lock"' in script
     assert "lock=constraints/nemo-rl-vllm-$vllm-py313.txt" in script
     assert "bash tests/support/nemo_rl_venv.sh" in (REPO / "tests" / "suite.sh").read_text()

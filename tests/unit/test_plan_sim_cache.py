@@ -106,11 +106,15 @@ def test_an_edit_to_an_imported_module_changes_the_version_of_its_importers_only
     try:
         before = versions()
         engine_sim = copy / "plan" / "engine_sim.py"
-        engine_sim.write_text(engine_sim.read_text().replace("ALLREDUCE_LATENCY_S = 10e-6", "ALLREDUCE_LATENCY_S = 11e-6"))
+        text = engine_sim.read_text()
+        engine_sim.write_text('"""Other words."""\n# a comment\n' + text.split('"""', 2)[2].replace("\n\n", "\n# more\n\n", 3))
+        prose_only = versions()
+        engine_sim.write_text(text.replace("ALLREDUCE_LATENCY_S = 10e-6", "ALLREDUCE_LATENCY_S = 11e-6"))
         after = versions()
     finally:
         monkeypatch.undo()
         versions()
+    assert prose_only == before, "a docstring and comments are not the code"
     assert after[0] != before[0], "async_generation imports engine_sim through live_engine"
     assert after[1] == before[1], "search_stats imports nothing of the engine"
 
