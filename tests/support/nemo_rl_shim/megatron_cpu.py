@@ -453,13 +453,21 @@ _LOADED_ON_FIRST_USE = ("wandb", "mlflow", "swanlab")
 
 
 class _ModuleLoadedOnFirstUse(importlib.util._LazyModule):
-    """importlib's lazy module, except that reading `__spec__` is not a use: a second `import wandb`
-    elsewhere reads it (to see whether the module is still initialising) and would load it."""
+    """importlib's lazy module, except that reading what names the module is not a use: a second `import
+    wandb` elsewhere reads `__spec__` (is it still initialising?), and `inspect.getmodule`, which torch's
+    operator registration calls, reads every loaded module's `__class__` and `__file__`. Any other attribute
+    hands the module back to importlib's own lazy loading (on Python 3.13 that checks for its exact class)."""
 
     def __getattribute__(self, attr):
-        if attr == "__spec__":
-            return object.__getattribute__(self, "__dict__")["__spec__"]
-        return super().__getattribute__(attr)
+        if attr == "__class__":
+            return object.__getattribute__(self, attr)
+        if attr in ("__spec__", "__name__", "__file__"):
+            names = object.__getattribute__(self, "__dict__")
+            if attr in names:
+                return names[attr]
+            raise AttributeError(attr)
+        object.__setattr__(self, "__class__", importlib.util._LazyModule)
+        return importlib.util._LazyModule.__getattribute__(self, attr)
 
 
 class _LoaderOnFirstUse(importlib.util.LazyLoader):
