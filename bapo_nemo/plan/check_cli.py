@@ -22,7 +22,12 @@ from bapo_nemo.plan.rules.memory import GB, GPU_CAPACITY_GB, MemoryEstimate
 from bapo_nemo.plan.rules.models import UnknownModelError, resolve_model
 from bapo_nemo.plan.rules.schema import DEFAULT_SCHEMA, SCHEMAS
 from bapo_nemo.plan.simulation.check_run import CheckRun, search_statistics, step_cost
-from bapo_nemo.plan.simulation.generation_print import generation_json, print_generation, print_modes, seconds_json
+from bapo_nemo.plan.simulation.generation_print import (
+    generation_json,
+    print_generation,
+    print_modes,
+    seconds_json,
+)
 from bapo_nemo.plan.simulation.run_cost import cost_json, cost_line, run_cost
 from bapo_nemo.plan.simulation.search_stats import (
     DEFAULT_PASS_RATE_BETA,

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 from bapo_nemo.plan.rules.config_io import get
 from bapo_nemo.plan.rules.findings import value
+from bapo_nemo.plan.rules.models import ModelShape
 from bapo_nemo.plan.simulation.generation import RolloutShape, engine_limit
 from bapo_nemo.plan.simulation.live_engine import LiveEngine, LiveRequest
-from bapo_nemo.plan.rules.models import ModelShape
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.plan.simulation.step_time import TrainCost
 

@@ -6,8 +6,9 @@ command line (check_cli.configure_parser); this module never imports the CLI."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bapo_nemo.plan.rules.cluster_plan import ClusterPlan
 from bapo_nemo.plan.rules.findings import Finding

@@ -43,7 +43,12 @@ from dataclasses import dataclass, field
 
 from bapo_nemo.plan.rules.gpus import GPUS
 from bapo_nemo.plan.rules.models import ModelShape
-from bapo_nemo.plan.simulation.step_time import DECODE_MFU, GPU_HBM_BYTES_PER_S, GPU_PEAK_BF16_FLOPS, HBM_EFFICIENCY
+from bapo_nemo.plan.simulation.step_time import (
+    DECODE_MFU,
+    GPU_HBM_BYTES_PER_S,
+    GPU_PEAK_BF16_FLOPS,
+    HBM_EFFICIENCY,
+)
 
 # Latency of one small all-reduce within an NVLink node (vLLM's custom all-reduce / NCCL for messages of a
 # few MB): ~10 us. The bandwidth is each GPU's NVLink, each way (plan/rules/gpus.py).
@@ -277,7 +282,7 @@ def _finish_ended(ends: list, running: dict, cache: PrefixCache, step: int) -> i
         _, rid = heapq.heappop(ends)
         if rid not in running:
             continue
-        request, context, start, done = running.pop(rid)
+        request, context, start, _ = running.pop(rid)
         freed += context + step - start
         cache.put(request.key, request.context + request.new_tokens)
     return freed

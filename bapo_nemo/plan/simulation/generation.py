@@ -30,7 +30,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from bapo_nemo.plan.simulation.engine_sim import CallStats, Engine, GenerationModelError, PrefixCache, Request, run_call
+from bapo_nemo.plan.simulation.engine_sim import (
+    CallStats,
+    Engine,
+    GenerationModelError,
+    PrefixCache,
+    Request,
+    run_call,
+)
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.rollout.balance import balanced_order
 from bapo_nemo.rollout.config import PartialRolloutConfig

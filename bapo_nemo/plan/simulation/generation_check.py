@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass, field
 
 from bapo_nemo.plan.rules.config_io import get
-from bapo_nemo.plan.simulation.engine_sim import DEFAULT_MAX_NUM_SEQS, engine_for
 from bapo_nemo.plan.rules.findings import Finding
-from bapo_nemo.plan.simulation.generation import RolloutShape, StepStats
 from bapo_nemo.plan.rules.memory import GB, GPU_CAPACITY_GB
 from bapo_nemo.plan.rules.models import ModelShape
+from bapo_nemo.plan.simulation.engine_sim import DEFAULT_MAX_NUM_SEQS, engine_for
+from bapo_nemo.plan.simulation.generation import RolloutShape, StepStats
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.plan.simulation.simulations import (
     expected_response_tokens,

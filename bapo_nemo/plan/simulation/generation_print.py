@@ -7,8 +7,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncStats
 from bapo_nemo.plan.rules.config_io import get
+from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncStats
 from bapo_nemo.plan.simulation.generation_check import PAYS
 from bapo_nemo.plan.simulation.mode_compare import MAX_MEAN_STALENESS, PAYS_TOKENS, ModeComparison, ModeResult
 from bapo_nemo.plan.simulation.step_plan import StepPlan, driver_state_gb

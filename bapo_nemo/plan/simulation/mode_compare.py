@@ -20,14 +20,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from bapo_nemo.plan.simulation.async_generation import AsyncSetting, AsyncStats, transfer_seconds
 from bapo_nemo.plan.rules.cluster_plan import ClusterPlan, plan_cluster
 from bapo_nemo.plan.rules.config_io import get
-from bapo_nemo.plan.simulation.engine_sim import GenerationModelError
 from bapo_nemo.plan.rules.findings import Finding, value
-from bapo_nemo.plan.simulation.generation_check import rollout_shape_for
 from bapo_nemo.plan.rules.memory import estimate
 from bapo_nemo.plan.rules.models import ModelShape
+from bapo_nemo.plan.simulation.async_generation import AsyncSetting, AsyncStats, transfer_seconds
+from bapo_nemo.plan.simulation.engine_sim import GenerationModelError
+from bapo_nemo.plan.simulation.generation_check import rollout_shape_for
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.plan.simulation.simulations import response_moments, simulate_async
 from bapo_nemo.plan.simulation.step_plan import ASYNC_SIMULATED_STEPS, StepPlan

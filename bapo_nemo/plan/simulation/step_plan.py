@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting, AsyncStats, transfer_seconds
 from bapo_nemo.plan.rules.cluster_plan import ClusterPlan
 from bapo_nemo.plan.rules.config_io import get
-from bapo_nemo.plan.simulation.engine_sim import GenerationModelError
 from bapo_nemo.plan.rules.findings import Finding
+from bapo_nemo.plan.rules.models import ModelShape
+from bapo_nemo.plan.simulation.async_generation import (
+    REPLAY_BYTES_PER_TOKEN,
+    AsyncSetting,
+    AsyncStats,
+    transfer_seconds,
+)
+from bapo_nemo.plan.simulation.engine_sim import GenerationModelError
 from bapo_nemo.plan.simulation.generation import RolloutShape, StepStats
 from bapo_nemo.plan.simulation.generation_check import (
     DRIVER_BYTES_PER_TOKEN,
@@ -25,7 +31,6 @@ from bapo_nemo.plan.simulation.generation_check import (
     partial_setting,
     rollout_shape_for,
 )
-from bapo_nemo.plan.rules.models import ModelShape
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.plan.simulation.simulations import response_moments, simulate_async
 from bapo_nemo.plan.simulation.step_time import (
