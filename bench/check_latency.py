@@ -1,5 +1,5 @@
 """How long `bapo-nemo check` takes per shipped run, with every simulation run (what check did before its
-results were kept) and with the kept results (plan/sim_cache.py), side by side in one run: each repeat
+results were kept) and with the kept results (plan/simulation/sim_cache.py), side by side in one run: each repeat
 starts a fresh `python -m bapo_nemo.cli check ...` of each kind in turn, so both see the same load.
 
 - simulated: no kept result read or written (BAPO_NEMO_CACHE_DIR=off, precomputed.json ignored);
@@ -29,7 +29,7 @@ from bapo_nemo.plan.precompute import PRESET_RUNS, check_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "check_latency.json"
-PROGRAM = ("import sys\nfrom bapo_nemo.plan import sim_cache\nsim_cache.use_shipped = sys.argv[1] == 'on'\n"
+PROGRAM = ("import sys\nfrom bapo_nemo.plan.simulation import sim_cache\nsim_cache.use_shipped = sys.argv[1] == 'on'\n"
            "from bapo_nemo.cli import main\nsys.exit(main(['check', *sys.argv[2:]]))")
 NOT_SHIPPED = [str(ROOT / "configs" / "bapo_32b.yaml"), "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h200-141gb"]
 

@@ -1,6 +1,6 @@
 """Simulated generation of the shipped cluster configs, with and without partial rollouts, and the GRPO
 modes side by side: sync, sync with partial rollouts, async GRPO (the model of `bapo-nemo check`:
-bapo_nemo/plan/generation.py, plan/async_generation.py, plan/mode_compare.py; planning figures from byte
+bapo_nemo/plan/simulation/generation.py, plan/simulation/async_generation.py, plan/simulation/mode_compare.py; planning figures from byte
 and FLOP counts, not measurements).
 
 For each config on its shipped shape (bapo_7b on 1 x 8 H100, bapo_32b and bapo_32b_64k on 8 x 8), with
@@ -12,7 +12,7 @@ log-prob passes + training), BAPO's share of it (granularity step's extra passes
 the handed-out tokens. One more row: bapo_32b at its best budget with the rows of each segment call in
 schedule order, as the hook sent them before it dealt them across the engines.
 
-Then per config, the modes on the same GPUs, each async mode at its best split of them (plan/mode_compare.py):
+Then per config, the modes on the same GPUs, each async mode at its best split of them (plan/simulation/mode_compare.py):
 sync, sync with partial rollouts (the preset's block, else the best budget), async GRPO at ages 1 and 2
 without and with in-flight weight updates, and in-flight updates with the KV cache recomputed. Per row:
 response tokens trained per hour and per second per GPU (and against the preset's own mode), the step,
@@ -36,12 +36,12 @@ import json
 import time
 from pathlib import Path
 
-from bapo_nemo.plan.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting
-from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import get, load_nemo_config
-from bapo_nemo.plan.generation import response_moments, simulate_partial, simulate_without_partial
-from bapo_nemo.plan.generation_check import budget_grid, covering, partial_setting, rollout_shape_for
-from bapo_nemo.plan.mode_compare import (
+from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting
+from bapo_nemo.plan.rules.cluster_plan import plan_cluster
+from bapo_nemo.plan.rules.config_io import get, load_nemo_config
+from bapo_nemo.plan.simulation.generation import response_moments, simulate_partial, simulate_without_partial
+from bapo_nemo.plan.simulation.generation_check import budget_grid, covering, partial_setting, rollout_shape_for
+from bapo_nemo.plan.simulation.mode_compare import (
     ASYNC_MODES,
     MAX_MEAN_STALENESS,
     PAYS_TOKENS,
@@ -49,10 +49,10 @@ from bapo_nemo.plan.mode_compare import (
     compare_modes,
     preset_overrides,
 )
-from bapo_nemo.plan.models import BUILTIN
-from bapo_nemo.plan.search_stats import DEFAULT_PROMPT_TOKENS, LengthModel
-from bapo_nemo.plan.step_plan import plan_step
-from bapo_nemo.plan.step_time import estimate_step_time, shape_from_config
+from bapo_nemo.plan.rules.models import BUILTIN
+from bapo_nemo.plan.simulation.search_stats import DEFAULT_PROMPT_TOKENS, LengthModel
+from bapo_nemo.plan.simulation.step_plan import plan_step
+from bapo_nemo.plan.simulation.step_time import estimate_step_time, shape_from_config
 from bapo_nemo.rollout import PartialRolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def config_rows(name: str, nodes: int, steps: int) -> tuple[list[dict], dict]:
 
 
 def mode_rows(name: str, nodes: int, sync_steps: int, async_steps: int) -> tuple[list[dict], ModeComparison]:
-    """The modes of one config side by side (plan/mode_compare.py), averaged over more steps than check."""
+    """The modes of one config side by side (plan/simulation/mode_compare.py), averaged over more steps than check."""
     config = load_nemo_config(ROOT / "configs" / f"{name}.yaml")
     plan, _ = plan_cluster(config, nodes, 8)
     model = BUILTIN[get(config, "policy.model_name")]

@@ -92,7 +92,7 @@ for py in "${pythons[@]}"; do
   # venvs never run it).
   modules="bapo_nemo.algorithm"
   if [[ "$py" == "$DRIVER_VENV/bin/python" ]]; then
-    modules+=", bapo_nemo.cli, bapo_nemo.tracking.mlflow_tracker, bapo_nemo.plan.checks, bapo_nemo.nemo.driver"
+    modules+=", bapo_nemo.cli, bapo_nemo.tracking.mlflow_tracker, bapo_nemo.plan.rules.checks, bapo_nemo.nemo.driver"
   fi
   rc=0
   out=$(PYTHONPATH="$BAPO_HOME" "$py" -c "

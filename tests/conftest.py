@@ -44,7 +44,7 @@ os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `bapo-nemo check`'s kept simulations (bapo_nemo/plan/sim_cache.py): one directory for every worker and
+# `bapo-nemo check`'s kept simulations (bapo_nemo/plan/simulation/sim_cache.py): one directory for every worker and
 # run of the suite, not the developer's ~/.cache. A result is keyed by its code, so reuse is safe.
 os.environ.setdefault("BAPO_NEMO_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"bapo-nemo-check-cache-{os.getuid()}"))
 

@@ -29,12 +29,13 @@ from typing import Any
 import yaml
 
 from bapo_nemo.config_kind import wrong_tool_for_embedded
-from bapo_nemo.plan.checks import bapo_enabled, check_config
-from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import ConfigLoadError, defaults_base, get, load_with_defaults
-from bapo_nemo.plan.findings import Finding
-from bapo_nemo.plan.models import UnknownModelError, resolve_model
-from bapo_nemo.plan.schema import DEFAULT_SCHEMA
+from bapo_nemo.plan import registry
+from bapo_nemo.plan.rules.checks import bapo_enabled
+from bapo_nemo.plan.rules.cluster_plan import plan_cluster
+from bapo_nemo.plan.rules.config_io import ConfigLoadError, defaults_base, get, load_with_defaults
+from bapo_nemo.plan.rules.findings import Finding
+from bapo_nemo.plan.rules.models import UnknownModelError, resolve_model
+from bapo_nemo.plan.rules.schema import DEFAULT_SCHEMA
 
 
 class DriverConfigError(ValueError):
@@ -95,7 +96,7 @@ def preflight(config: dict) -> list[Finding]:
     plan, findings = plan_cluster(config, nodes, gpn, model)
     # Relative prompt files resolve where NeMo-RL will open them: this process's working directory. Keys
     # are those of the NeMo-RL installed here, which the job runs (v0.7.0's where none is).
-    return findings + check_config(config, plan, model, check_paths=True, workdir=os.getcwd(), nemo_rl=_schema_here())
+    return findings + registry.check_config(config, plan, model, check_paths=True, workdir=os.getcwd(), nemo_rl=_schema_here())
 
 
 def _schema_here() -> str:
@@ -152,7 +153,7 @@ def install_step_bounds(policy, loss_fn, master_config) -> None:
 def load_config(args: argparse.Namespace, overrides: list[str]) -> dict:
     """The master config as NeMo-RL's run_grpo.py reads it (YAML + `defaults:` + Hydra overrides), resolved;
     a copied preset's bare `defaults:` names resolve against the shipped configs/ as `bapo-nemo check` reads
-    them (plan/config_io.py)."""
+    them (plan/rules/config_io.py)."""
     from nemo_rl.utils.config import (
         load_config_with_inheritance,
         parse_hydra_overrides,

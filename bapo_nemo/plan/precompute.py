@@ -1,4 +1,4 @@
-"""Writes plan/precomputed.json: every simulation `bapo-nemo check` runs on the shipped presets (with its
+"""Writes plan/simulation/precomputed.json: every simulation `bapo-nemo check` runs on the shipped presets (with its
 default options), computed afresh, so a first `check` of a preset answers without simulating. Run it
 after changing a simulator or its inputs (tests/unit/test_plan_sim_cache.py fails until then):
 
@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from bapo_nemo.plan import sim_cache
+from bapo_nemo.plan.simulation import sim_cache
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # bapo_32b as an async run: 4 generation nodes, the training replica TP 8 x CP 4 on the other 4.

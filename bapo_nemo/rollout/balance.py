@@ -5,7 +5,7 @@ ceil(n / engines) rows, one per vLLM engine, and returns when the slowest engine
 schedule the oldest groups first, so the first shards would get every resumed response with a long
 context (its prefill and its KV cache) and the last ones only fresh prompts: the call would wait for the
 engines holding the old responses. `balanced_order` deals the rows, longest context first, to the shards
-in turn, so every engine gets an equal share of long and short contexts (plan/generation.py measures
+in turn, so every engine gets an equal share of long and short contexts (plan/simulation/generation.py measures
 what it saves; docs/cluster.md gives the figures).
 """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 from tests.support.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]

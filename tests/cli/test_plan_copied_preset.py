@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.config_io import SHIPPED_CONFIGS, ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.rules.config_io import SHIPPED_CONFIGS, ConfigLoadError, load_nemo_config
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 

@@ -1,4 +1,4 @@
-"""`bapo-nemo check` refuses a length or count the run would cut without a word (plan/length_checks.py):
+"""`bapo-nemo check` refuses a length or count the run would cut without a word (plan/rules/length_checks.py):
 each error names the key asked, the key that binds and a value that works, computed here by hand; the
 driver's pre-flight refuses the same config before Ray starts."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.plan.check_cli import configure_parser, run_check
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 

@@ -1,4 +1,4 @@
-"""`bapo-nemo check`'s modes side by side (plan/mode_compare.py): each async mode at its best split (the
+"""`bapo-nemo check`'s modes side by side (plan/simulation/mode_compare.py): each async mode at its best split (the
 split search by hand), the presets' rule, an async config's own step and pipeline, and two things a user
 saw on screen (`--help` without the `--gpu` default; a budget sweep shown as if partial rollouts were
 on), run as a user runs them."""
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.cli import main as cli_main
-from bapo_nemo.plan.cluster_plan import plan_cluster
-from bapo_nemo.plan.config_io import load_nemo_config
-from bapo_nemo.plan.memory import estimate
-from bapo_nemo.plan.mode_compare import ModeComparison, ModeResult, async_splits, async_warnings
-from bapo_nemo.plan.models import BUILTIN
+from bapo_nemo.plan.rules.cluster_plan import plan_cluster
+from bapo_nemo.plan.rules.config_io import load_nemo_config
+from bapo_nemo.plan.rules.memory import estimate
+from bapo_nemo.plan.simulation.mode_compare import ModeComparison, ModeResult, async_splits, async_warnings
+from bapo_nemo.plan.rules.models import BUILTIN
 from tests.support.presets import ASYNC_32B
 
 ROOT = Path(__file__).resolve().parents[2]

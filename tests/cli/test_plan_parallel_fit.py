@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.models import BUILTIN
-from bapo_nemo.plan.parallel_fit import Layout, fitting, node_counts
+from bapo_nemo.plan.rules.models import BUILTIN
+from bapo_nemo.plan.rules.parallel_fit import Layout, fitting, node_counts
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 

@@ -3,7 +3,7 @@ dataset classes (the rest of the doc's figures: tests/unit/test_cluster_docs.py)
 
 from __future__ import annotations
 
-from bapo_nemo.plan.hub_assets import DATASETS
+from bapo_nemo.plan.rules.hub_assets import DATASETS
 
 
 def test_hub_assets_are_what_nemo_rl_loads():

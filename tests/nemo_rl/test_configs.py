@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.config_io import load_nemo_config
-from bapo_nemo.plan.nemo_rl_keys import key_paths
-from bapo_nemo.plan.schema import known_keys
+from bapo_nemo.plan.rules.config_io import load_nemo_config
+from bapo_nemo.plan.rules.nemo_rl_keys import key_paths
+from bapo_nemo.plan.rules.schema import known_keys
 from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.presets import NEMO_PRESETS
 
@@ -57,23 +57,23 @@ def test_configs_have_every_key_of_the_megatron_example(name):
 
 
 def test_a_shipped_key_list_is_exactly_the_installed_nemo_rls():
-    """bapo_nemo/plan/nemo_rl_*_keys.json (what `bapo-nemo check` uses without nemo_rl) is what
-    bapo_nemo/plan/nemo_rl_keys.py makes from the NeMo-RL tree under test, plus the list's carried keys:
+    """bapo_nemo/plan/rules/nemo_rl_*_keys.json (what `bapo-nemo check` uses without nemo_rl) is what
+    bapo_nemo/plan/rules/nemo_rl_keys.py makes from the NeMo-RL tree under test, plus the list's carried keys:
     each tested tree's list can be made again, and it holds every key of that tree's types and examples."""
     import json
     from importlib import resources
 
     import nemo_rl
 
-    from bapo_nemo.plan.nemo_rl_keys import keys_of_tree
-    from bapo_nemo.plan.schema import SCHEMAS
+    from bapo_nemo.plan.rules.nemo_rl_keys import keys_of_tree
+    from bapo_nemo.plan.rules.schema import SCHEMAS
 
     tree = keys_of_tree(Path(nemo_rl.__file__).resolve().parents[1])
     matches = []
     for schema, file in SCHEMAS.items():
         if file is None:
             continue
-        shipped = json.loads(resources.files("bapo_nemo.plan").joinpath(file).read_text())
+        shipped = json.loads(resources.files("bapo_nemo.plan.rules").joinpath(file).read_text())
         if set(shipped["keys"]) == tree | set(shipped["carried"]):
             matches.append(schema)
     assert len(matches) == 1, f"no shipped key list is this NeMo-RL's ({nemo_rl.__file__}): regenerate it"
@@ -100,7 +100,7 @@ if sys.version_info < (3, 12):
 from nemo_rl.algorithms.grpo import MasterConfig
 from bapo_nemo.nemo.installed import fill_validation_sampling, required_generation_keys
 from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 for path in sys.argv[1:]:
     config = load_nemo_config(path)
     fill_validation_sampling(config, required_generation_keys())  # as the driver does before MasterConfig

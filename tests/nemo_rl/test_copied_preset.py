@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.rules.config_io import ConfigLoadError, load_nemo_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ one right after `init_ray()`), absolute ones as they are."""
 
 from __future__ import annotations
 
-from bapo_nemo.plan.checks import check_config
+from bapo_nemo.plan.registry import check_config
 from tests.support.nemo_rl_source import run_with_nemo_rl
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.config_io import load_nemo_config
-from bapo_nemo.plan.hub_assets import HubAsset, hub_assets
-from bapo_nemo.plan.signal_lead import signal_line
+from bapo_nemo.plan.rules.config_io import load_nemo_config
+from bapo_nemo.plan.rules.hub_assets import HubAsset, hub_assets
+from bapo_nemo.plan.rules.signal_lead import signal_line
 from tests.support.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_hub_assets_of_the_32b_config_and_the_prefetch_command_the_doc_gives():
         HubAsset("dataset", "opencompass/AIME2025", "AIME2025-I", "test"),
         HubAsset("dataset", "opencompass/AIME2025", "AIME2025-II", "test"),
     ]
-    command = "python -m bapo_nemo.plan.hub_assets configs/bapo_32b.yaml --dry-run"
+    command = "python -m bapo_nemo.plan.rules.hub_assets configs/bapo_32b.yaml --dry-run"
     assert command in DOC
     done = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
                           timeout=HANG_GUARD_S, check=False, env={"PATH": "/usr/bin:/bin", "HF_HOME": "/shared/hf_cache"})

@@ -152,8 +152,8 @@ def test_key_table_covers_every_key_of_the_schema():
 def test_every_counterpart_the_table_names_exists_in_nemo_rl_v070():
     from bapo_nemo.algorithm.options import BAPOBlock
     from bapo_nemo.embedded.config import LossFnConfig, RunConfig
-    from bapo_nemo.plan.config_io import load_nemo_config
-    from bapo_nemo.plan.schema import OWN_SECTIONS, known_keys
+    from bapo_nemo.plan.rules.config_io import load_nemo_config
+    from bapo_nemo.plan.rules.schema import OWN_SECTIONS, known_keys
     from bapo_nemo.rollout import PartialRolloutConfig
 
     # The blocks bapo-nemo adds to a NeMo-RL config (`bapo-nemo check` and the driver read them there):
@@ -179,7 +179,7 @@ def test_a_bapo_block_tuned_on_one_machine_pastes_into_a_cluster_config(tmp_path
     """The embedded `loss_fn.bapo` and the cluster configs' are one schema: each side's block loads on the
     other side with the same settings."""
     from bapo_nemo.algorithm.options import NemoBAPOOptions
-    from bapo_nemo.plan.config_io import load_nemo_config
+    from bapo_nemo.plan.rules.config_io import load_nemo_config
 
     laptop = yaml.safe_load((REPO / "configs" / "local_cpu.yaml").read_text())["loss_fn"]["bapo"]
     options = NemoBAPOOptions.parse(laptop)

@@ -1,5 +1,6 @@
 """The package's layering points downwards only: algorithm/, rollout/ and tracking/ at the bottom;
-embedded/, export/ and plan/ above them; nemo/ on top. Read from the source's AST (module-level and
+embedded/, export/ and plan/ above them; nemo/ on top. Inside plan/: rules/ at the bottom, simulation/
+above it, registry.py above both, precompute.py and check_cli.py (the `bapo-nemo check` command) on top. Read from the source's AST (module-level and
 function-local imports alike), so a lazy import inside a function counts too."""
 
 from __future__ import annotations
@@ -20,8 +21,20 @@ FORBIDDEN = {
 }
 
 
-def imported_subpackages(source: str) -> set[tuple[str, int]]:
-    """(bapo_nemo subpackage, line) for every absolute `bapo_nemo.X` import in `source`."""
+# What each room of plan/ must not import (plan.X: a subpackage or a module of plan/).
+PLAN_ROOMS = ("rules", "simulation", "registry", "precompute", "check_cli")
+PLAN_FORBIDDEN = {
+    "rules": {"simulation", "registry", "precompute", "check_cli"},
+    "simulation": {"registry", "precompute", "check_cli"},
+    "registry": {"precompute", "check_cli"},
+    "precompute": set(),  # it runs the command on the shipped presets
+    "check_cli": {"precompute"},
+}
+
+
+def imported_subpackages(source: str, package: str = "bapo_nemo") -> set[tuple[str, int]]:
+    """(subpackage, line) for every absolute `PACKAGE.X` import in `source` (package: `bapo_nemo` or a
+    subpackage such as `bapo_nemo.plan`)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -29,16 +42,17 @@ def imported_subpackages(source: str) -> set[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # `from bapo_nemo import nemo` imports the subpackage by its alias.
             modules = (
-                [f"bapo_nemo.{alias.name}" for alias in node.names]
-                if node.module == "bapo_nemo"
+                [f"{package}.{alias.name}" for alias in node.names]
+                if node.module == package
                 else [node.module]
             )
         else:
             continue
+        depth = package.count(".") + 1
         for module in modules:
             parts = module.split(".")
-            if parts[0] == "bapo_nemo" and len(parts) > 1:
-                found.add((parts[1], node.lineno))
+            if parts[:depth] == package.split(".") and len(parts) > depth:
+                found.add((parts[depth], node.lineno))
     return found
 
 
@@ -80,3 +94,29 @@ def test_relative_imports_do_not_escape_a_subpackage():
 def test_the_shared_config_error_wording_is_a_leaf():
     """bapo_nemo/config_errors.py sits below every subpackage (the bottom ones use it): it imports none."""
     assert imported_subpackages((PACKAGE / "config_errors.py").read_text()) == set()
+
+
+def test_the_scanner_sees_rooms_inside_plan():
+    source = "from bapo_nemo.plan import registry\nfrom bapo_nemo.plan.rules.checks import x\nimport bapo_nemo.nemo\n"
+    assert imported_subpackages(source, "bapo_nemo.plan") == {("registry", 1), ("rules", 2)}
+
+
+@pytest.mark.parametrize("room", PLAN_ROOMS)
+def test_plan_rooms_import_downwards_only(room):
+    plan = PACKAGE / "plan"
+    files = sorted((plan / room).rglob("*.py")) if (plan / room).is_dir() else [plan / f"{room}.py"]
+    assert files and all(f.is_file() for f in files), f"no sources for bapo_nemo/plan/{room}"
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports bapo_nemo.plan.{target}"
+        for path in files
+        for target, line in sorted(imported_subpackages(path.read_text(), "bapo_nemo.plan"))
+        if target in PLAN_FORBIDDEN[room]
+    ]
+    assert not bad, f"bapo_nemo/plan/{room} must not import {sorted(PLAN_FORBIDDEN[room])}:\n" + "\n".join(bad)
+
+
+def test_every_module_of_plan_sits_in_a_room():
+    """A new module at plan/'s top level would escape the rules above: it goes into a room or gets one."""
+    top = {p.stem for p in (PACKAGE / "plan").glob("*.py")} - {"__init__"}
+    rooms = {p.name for p in (PACKAGE / "plan").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert top | rooms == set(PLAN_ROOMS)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.nemo.driver import DriverConfigError, preflight, raise_on_errors
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 from tests.support.presets import NEMO_PRESETS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -31,13 +31,13 @@ def test_driver_preflight_refuses_unfused_packed_loss():
 @pytest.mark.parametrize("schema", ["v0.7.0", "main"])
 @pytest.mark.parametrize("name", NEMO_PRESETS)
 def test_presets_are_valid_under_both_tested_nemo_rl_trees(name, schema):
-    from bapo_nemo.plan.schema import unknown_keys
+    from bapo_nemo.plan.rules.schema import unknown_keys
 
     assert unknown_keys(load_nemo_config(CONFIGS / name), schema) == []
 
 
 def test_a_key_of_the_other_release_is_refused_naming_where_it_belongs():
-    from bapo_nemo.plan.schema import unknown_keys
+    from bapo_nemo.plan.rules.schema import unknown_keys
 
     config = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["++policy.generation.val_temperature=0.6"])
     (unknown,) = unknown_keys(config, "v0.7.0")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -15,7 +15,7 @@ from bapo_nemo.nemo.packing import (
     install_packed_width_guard,
     pad_sequence_dim,
 )
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 
 REPO = Path(__file__).resolve().parents[2]
 

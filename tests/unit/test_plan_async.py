@@ -1,4 +1,4 @@
-"""Async GRPO in the generation model of `bapo-nemo check` (plan/live_engine.py, plan/async_generation.py):
+"""Async GRPO in the generation model of `bapo-nemo check` (plan/simulation/live_engine.py, plan/simulation/async_generation.py):
 the live engine against the batch engine, a weight update splitting a response's tokens between two
 policy versions, NeMo-RL's async loop on hand-computable cases (equal lengths with the generation side
 the bottleneck, without and with in-flight updates and KV recompute; the training side the bottleneck at
@@ -11,13 +11,13 @@ import random
 import pytest
 import yaml
 
-from bapo_nemo.plan.async_generation import AsyncSetting, simulate_async, transfer_seconds
-from bapo_nemo.plan.engine_sim import Engine, Request, engine_for, run_engine
-from bapo_nemo.plan.generation import RolloutShape, response_moments
-from bapo_nemo.plan.live_engine import LiveEngine, LiveRequest
-from bapo_nemo.plan.models import BUILTIN
-from bapo_nemo.plan.search_stats import LengthModel
-from bapo_nemo.plan.step_time import TrainCost, shape_from_config, train_cost
+from bapo_nemo.plan.simulation.async_generation import AsyncSetting, simulate_async, transfer_seconds
+from bapo_nemo.plan.simulation.engine_sim import Engine, Request, engine_for, run_engine
+from bapo_nemo.plan.simulation.generation import RolloutShape, response_moments
+from bapo_nemo.plan.simulation.live_engine import LiveEngine, LiveRequest
+from bapo_nemo.plan.rules.models import BUILTIN
+from bapo_nemo.plan.simulation.search_stats import LengthModel
+from bapo_nemo.plan.simulation.step_time import TrainCost, shape_from_config, train_cost
 
 MS = 1e-3
 

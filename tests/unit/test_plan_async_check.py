@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.plan.check_cli import configure_parser, run_check
-from bapo_nemo.plan.config_io import load_nemo_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
 from tests.support.presets import ASYNC_32B
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

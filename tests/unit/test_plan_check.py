@@ -11,8 +11,8 @@ import yaml
 
 from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.check_cli import configure_parser, run_check
-from bapo_nemo.plan.config_io import ConfigLoadError, load_nemo_config
-from bapo_nemo.plan.memory import GB
+from bapo_nemo.plan.rules.config_io import ConfigLoadError, load_nemo_config
+from bapo_nemo.plan.rules.memory import GB
 from tests.support.presets import QWEN3_32B_RECIPE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -280,7 +280,7 @@ def test_partial_rollout_block_is_checked():
 def test_every_key_of_the_shipped_configs_is_a_v070_key(name):
     """The key check of `bapo-nemo check` (v0.7.0's key list) finds nothing unknown in our configs, and
     does find a misspelt key added to them."""
-    from bapo_nemo.plan.schema import unknown_keys
+    from bapo_nemo.plan.rules.schema import unknown_keys
 
     config = load_nemo_config(CONFIGS / name)
     assert unknown_keys(config) == []

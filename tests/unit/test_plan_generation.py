@@ -1,4 +1,4 @@
-"""The generation model of `bapo-nemo check` (plan/engine_sim.py, plan/generation.py): one engine's
+"""The generation model of `bapo-nemo check` (plan/simulation/engine_sim.py, plan/simulation/generation.py): one engine's
 continuous batching on hand-computable cases (all lengths equal, a slot limit, one long outlier, a full
 KV cache with preemption and a partly evicted prefix cache), a call over several engines, the steady
 state of partial rollouts and segmented validation by hand, and the lengths-only pool against the real
@@ -10,15 +10,15 @@ import random
 
 import pytest
 
-from bapo_nemo.plan.engine_sim import Engine, PrefixCache, Request, run_call, run_engine
-from bapo_nemo.plan.generation import (
+from bapo_nemo.plan.simulation.engine_sim import Engine, PrefixCache, Request, run_call, run_engine
+from bapo_nemo.plan.simulation.generation import (
     PartialRolloutPool,
     RolloutShape,
     simulate_partial,
     simulate_validation,
     simulate_without_partial,
 )
-from bapo_nemo.plan.search_stats import LengthModel
+from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 from bapo_nemo.rollout.balance import balanced_order
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_nemo.plan.memory import (
+from bapo_nemo.plan.rules.memory import (
     FRAGMENTATION,
     GB,
     RUNTIME_RESERVE_BYTES,
@@ -20,7 +20,7 @@ from bapo_nemo.plan.memory import (
     stage_parameters,
     weight_bytes,
 )
-from bapo_nemo.plan.models import BUILTIN, ModelShape
+from bapo_nemo.plan.rules.models import BUILTIN, ModelShape
 
 # h=8, 4 layers, 2 heads x head_dim 4 (q=8), 1 KV head (kv=4), MLP 16, vocab 10, untied.
 TINY = ModelShape(

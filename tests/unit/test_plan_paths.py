@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bapo_nemo.plan.checks import check_config
-from bapo_nemo.plan.config_io import load_nemo_config
-from bapo_nemo.plan.path_checks import NEMO_RL_IMAGE_SOURCE, data_files
+from bapo_nemo.plan.registry import check_config
+from bapo_nemo.plan.rules.config_io import load_nemo_config
+from bapo_nemo.plan.rules.path_checks import NEMO_RL_IMAGE_SOURCE, data_files
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 

@@ -1,4 +1,4 @@
-"""How many responses one BAPO bound search sees (`bapo_nemo.plan.search_stats`) and the warning
+"""How many responses one BAPO bound search sees (`bapo_nemo.plan.simulation.search_stats`) and the warning
 `bapo-nemo check` gives: the packing and sharding rule on hand-computed cases, the sign statistics
 against a closed form, and the shipped configs' verdicts."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.check_cli import configure_parser, run_check
-from bapo_nemo.plan.search_stats import (
+from bapo_nemo.plan.simulation.search_stats import (
     LengthModel,
     LengthModelError,
     SearchShape,

@@ -1,4 +1,4 @@
-"""The kept simulations of `bapo-nemo check` (plan/sim_cache.py): a result read back from disk equals a
+"""The kept simulations of `bapo-nemo check` (plan/simulation/sim_cache.py): a result read back from disk equals a
 fresh run of the plain function; the key follows the arguments and the code (every bapo_nemo module the
 simulator imports, as Python itself loads them); the shipped results cover every shipped run of `check`
 with the current code, and equal fresh runs."""
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan import async_generation, generation, precompute, sim_cache, simulations
-from bapo_nemo.plan.async_generation import AsyncSetting
-from bapo_nemo.plan.engine_sim import Engine
-from bapo_nemo.plan.search_stats import LengthModel
-from bapo_nemo.plan.step_time import TrainCost
+from bapo_nemo.plan import precompute
+from bapo_nemo.plan.simulation import async_generation, generation, sim_cache, simulations
+from bapo_nemo.plan.simulation.async_generation import AsyncSetting
+from bapo_nemo.plan.simulation.engine_sim import Engine
+from bapo_nemo.plan.simulation.search_stats import LengthModel
+from bapo_nemo.plan.simulation.step_time import TrainCost
 from bapo_nemo.rollout.config import PartialRolloutConfig
 
 MS = 1e-3
@@ -85,7 +86,7 @@ def _loaded_by_python(module: str) -> set[str]:
     return {str(Path(p).resolve()) for p in done.stdout.split()}
 
 
-@pytest.mark.parametrize("module", sorted({f.__module__ for _, f, _, _ in CASES} | {"bapo_nemo.plan.search_stats"}))
+@pytest.mark.parametrize("module", sorted({f.__module__ for _, f, _, _ in CASES} | {"bapo_nemo.plan.simulation.search_stats"}))
 def test_the_code_version_covers_every_module_python_loads_for_the_simulator(module):
     closure = {str(p.resolve()) for p in sim_cache.source_closure(module)}
     missing = _loaded_by_python(module) - closure
@@ -99,13 +100,13 @@ def test_an_edit_to_an_imported_module_changes_the_version_of_its_importers_only
     def versions() -> tuple[str, str]:
         sim_cache.code_version.cache_clear()
         sim_cache._imports.cache_clear()
-        return (sim_cache.code_version("bapo_nemo.plan.async_generation"),
-                sim_cache.code_version("bapo_nemo.plan.search_stats"))
+        return (sim_cache.code_version("bapo_nemo.plan.simulation.async_generation"),
+                sim_cache.code_version("bapo_nemo.plan.simulation.search_stats"))
 
     monkeypatch.setattr(sim_cache, "PACKAGE_ROOT", copy)
     try:
         before = versions()
-        engine_sim = copy / "plan" / "engine_sim.py"
+        engine_sim = copy / "plan" / "simulation" / "engine_sim.py"
         text = engine_sim.read_text()
         engine_sim.write_text('"""Other words."""\n# a comment\n' + text.split('"""', 2)[2].replace("\n\n", "\n# more\n\n", 3))
         prose_only = versions()
@@ -128,7 +129,7 @@ def test_the_shipped_results_cover_every_shipped_run(name, monkeypatch):
     precompute.run_check_quietly(precompute.check_argv(name))
     assert sim_cache.calls, "check ran no simulation"
     assert sim_cache.misses == [], (f"{len(sim_cache.misses)} of {len(sim_cache.calls)} simulations of {name} are "
-                                    "not in bapo_nemo/plan/precomputed.json: run `python -m bapo_nemo.plan.precompute`")
+                                    "not in bapo_nemo/plan/simulation/precomputed.json: run `python -m bapo_nemo.plan.precompute`")
 
 
 def test_shipped_results_equal_fresh_runs(monkeypatch):

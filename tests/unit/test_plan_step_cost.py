@@ -1,4 +1,4 @@
-"""The compute `granularity: step` adds (`bapo_nemo.plan.step_cost`), on a hand-computed shape and on the
+"""The compute `granularity: step` adds (`bapo_nemo.plan.simulation.step_cost`), on a hand-computed shape and on the
 shipped 32B config as `bapo-nemo check --json` reports it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bapo_nemo.cli import main as cli_main
-from bapo_nemo.plan.models import ModelShape
-from bapo_nemo.plan.step_cost import forward_flops, step_granularity_cost
+from bapo_nemo.plan.rules.models import ModelShape
+from bapo_nemo.plan.simulation.step_cost import forward_flops, step_granularity_cost
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = ModelShape(
