@@ -13,7 +13,6 @@ import torch
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 from tests.support.vllm_engine import (
     engine_shutdown,
-    load_weights_in_worker,
     sampled_logprobs,
     start_engine,
     trainer_names,
@@ -165,7 +164,7 @@ def test_refit_loads_every_trainer_weight_and_logprobs_follow(engine):
             parameter.add_(0.5 * parameter.std() * torch.randn_like(parameter))
     weights = list(trainer.state_dict().items())
 
-    (report,) = llm.collective_rpc(load_weights_in_worker, args=(weights,))
+    (report,) = llm.collective_rpc("load_trainer_weights", args=(weights,))
 
     assert report["loaded"] == report["parameters"]
     assert trainer_names(report["loaded"], report["packed"]) == {name for name, _ in weights}

