@@ -155,9 +155,16 @@ def hub_cache_only(name: str) -> bool:
 def load_policy(cfg, device: torch.device) -> tuple[Any, Any, int]:
     """(model on its device, tokenizer, context window in tokens) of a run config: `policy.model_name`
     loaded with its own tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
+    from bapo_nemo.embedded.bundled_model import bundled_problem, is_bundled, load_bundled
     from bapo_nemo.embedded.tokenizer import load_tokenizer
 
-    if cfg.policy.model_name is not None:
+    if is_bundled(cfg.policy.model_name):
+        if (problem := bundled_problem(cfg.policy.model_name)) is not None:
+            raise ModelLoadError(problem)
+        model, tokenizer = load_bundled(cfg.policy.model_name, DTYPES[cfg.model.dtype])
+        tokenizer = ready_tokenizer(tokenizer, cfg.policy.model_name)
+        window = model.config.max_position_embeddings
+    elif cfg.policy.model_name is not None:
         local_only = hub_cache_only(cfg.policy.model_name)
         model = load_pretrained(cfg.policy.model_name, cfg.model.dtype, local_only)
         tokenizer = load_pretrained_tokenizer(cfg.policy.model_name, local_only)
