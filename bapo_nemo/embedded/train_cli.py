@@ -104,12 +104,13 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.run_log import append_line
     from bapo_nemo.embedded.run_summary import summary_record, summary_text
+    from bapo_nemo.embedded.step_metrics import NoLearningSignalError
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import train
     from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
-                   TrackingUnavailableError)
+                   TrackingUnavailableError, NoLearningSignalError)
     try:
         with OutputDirLock(output_dir) as lock:
             if lock.stale:

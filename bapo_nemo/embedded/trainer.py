@@ -47,8 +47,10 @@ from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run
 from bapo_nemo.embedded.startup_problems import check_paths
 from bapo_nemo.embedded.step_metrics import (
     ZERO_SPREAD_TAG,
+    NoLearningSignalError,
     ZeroSpreadWatch,
     finite,
+    from_scratch_stop,
     sample_rows,
     step_metrics,
 )
@@ -289,6 +291,11 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     run.metrics_log.write({"step": step, **metrics})
     log.info(step_line(step, cfg.grpo.max_num_steps, metrics, cfg.eval.k))
     warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
+    from_scratch = cfg.policy.model_name is None and cfg.warmup.steps == 0
+    stop = from_scratch_stop(step, run.spread_watch.leading_zero_steps, from_scratch)
+    if stop:
+        run.tracker.log_tags({ZERO_SPREAD_TAG: stop})
+        raise NoLearningSignalError(stop)
     if warning:  # console, train.log and the MLflow run
         log.warning(warning)
         run.tracker.log_tags({ZERO_SPREAD_TAG: warning})

@@ -6,6 +6,7 @@ and HF_HOME at an empty cache."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,21 @@ def test_the_bundled_model_loads_offline_answers_and_saves(tmp_path, monkeypatch
     model.save_pretrained(tmp_path / "saved")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_a_random_model_without_warm_up_that_scores_nothing_stops_after_three_steps(tmp_path):
+    """The bundled tiny model freshly initialised, no warm-up: its responses are random strings, every reward
+    is 0, GRPO has no advantage to follow. The run stops after 3 of its 20 steps with the fixes, exit 2."""
+    cfg = write_config(tmp_path, with_(warmup={"steps": 0}, grpo={"max_num_steps": 20}))
+    done = bapo_nemo("train", str(cfg), "--output-dir", "out", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-2000:]
+    for said in ("every reward of the first 3 steps was exactly 0", "set warmup.steps=500",
+                 "policy.model_name=smollm2-135m-instruct"):
+        assert said in errors[0], errors[0]
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    trained = [s for s in steps if s["step"] > 0]
+    assert [s["step"] for s in trained] == [1, 2, 3]
+    assert all(s["reward/mean"] == 0.0 for s in trained)
+    assert "Traceback" not in done.stderr
