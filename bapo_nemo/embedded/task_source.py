@@ -24,6 +24,7 @@ from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
 from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.startup_problems import Problems, response_length_problem
 from bapo_nemo.embedded.tasks import Task, TaskGenerator, load_jsonl_tasks, reward
+from bapo_nemo.embedded.text_checks import CANNOT_REPRESENT
 
 
 class TaskSource(NamedTuple):
@@ -94,6 +95,8 @@ def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource
         score = reward_function(data.reward, data.default.output_key)
     problems.add(response_length_problem(window, cfg.partial_rollouts, [len(encode(t)) for t in pool or []],
                                          [len(encode(t)) for t in eval_tasks or []], data.overlong_prompts))
+    if cfg.policy.model_name is None and any(CANNOT_REPRESENT in line for line in problems.lines):
+        problems.lines.insert(0, _bundled_alphabet_line())
     problems.raise_if_any()
     max_prompt = window - cfg.partial_rollouts.max_response_tokens
     pool = fit_prompts(pool, encode, max_prompt, data.overlong_prompts, "training")
@@ -101,6 +104,16 @@ def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource
     if data.overlong_prompts == "truncate":
         return TaskSource(lambda task: truncate_prompt(encode(task), max_prompt), eval_tasks, pool, score)
     return TaskSource(encode, eval_tasks, pool, score)
+
+
+def _bundled_alphabet_line() -> str:
+    """What the bundled tiny model can read, and what to use for other text."""
+    from bapo_nemo.embedded.tokenizer import CHARACTERS
+
+    return (f"the bundled tiny model (policy.model_name null) has a tokenizer that knows only these characters: "
+            f"{''.join(CHARACTERS)!r} (the digits, + - * = ; # ? and space); for a dataset with other text (words, "
+            "letters, LaTeX) use a pretrained model with its own tokenizer, e.g. "
+            "policy.model_name=smollm2-135m-instruct (bundled, offline)")
 
 
 def rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:

@@ -225,7 +225,8 @@ CASES = [
          ["line 6: answer '#2' can never score", "line 7: answer '3 ' can never score", "task.max_bad_fraction"]),
     Case("text the bundled tokenizer cannot represent", _letters_in_data, 2,
          ["words.jsonl: skipped 27 malformed row(s) of 27", "prompt has characters the tokenizer cannot represent",
-          "data.max_bad_fraction"]),
+          "data.max_bad_fraction", "tokenizer that knows only these characters: '0123456789+-*=;#? '",
+          "use a pretrained model with its own tokenizer, e.g. policy.model_name=smollm2-135m-instruct"]),
     # a path that does not exist is a missing directory, whether written relative or absolute, never a hub id
     Case("own model directory that does not exist (relative)", _missing_model_dir(lambda tmp: "./own/tiny_model"), 2,
          ["policy.model_name='./own/tiny_model': no such directory", "own/tiny_model does not exist",
