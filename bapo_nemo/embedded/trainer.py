@@ -39,12 +39,12 @@ from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, run_params
 from bapo_nemo.embedded.evaluation import evaluate
-from bapo_nemo.embedded.model import DTYPES, load_policy, prepare_policy
+from bapo_nemo.embedded.model import DTYPES, ModelLoadError, load_policy, prepare_policy
 from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
 from bapo_nemo.embedded.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
-from bapo_nemo.embedded.startup_problems import check_paths
+from bapo_nemo.embedded.startup_problems import StartupError, check_paths
 from bapo_nemo.embedded.step_metrics import (
     ZERO_SPREAD_TAG,
     NoLearningSignalError,
@@ -55,7 +55,7 @@ from bapo_nemo.embedded.step_metrics import (
     step_metrics,
 )
 from bapo_nemo.embedded.stop_signals import StopFlag
-from bapo_nemo.embedded.task_source import rollout_reward, task_source
+from bapo_nemo.embedded.task_source import rollout_reward, task_source, tokenizer_free_problems
 from bapo_nemo.embedded.tasks import Task, TaskStream
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
@@ -144,8 +144,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag, warm
     torch.manual_seed(cfg.grpo.seed)
 
     ckpt = checkpoint_to_resume(output_dir, config_dict, resume)
-    check_paths(cfg)  # every path that names nothing, before anything loads
-    model, tokenizer, context_window = load_policy(cfg, device)
+    model, tokenizer, context_window = _load_checked_policy(cfg, device)
     encode, eval_tasks, pool, score = task_source(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.grpo.seed, cfg.task, held_out, pool)
@@ -211,6 +210,18 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag, warm
         stop,
         warmup_sources,
     )
+
+
+def _load_checked_policy(cfg: RunConfig, device: torch.device):
+    """`load_policy` after `check_paths`; when either fails, the dataset's problems that need no tokenizer
+    are said in the same message (one attempt shows every problem)."""
+    try:
+        check_paths(cfg)  # every path that names nothing, before anything loads
+        return load_policy(cfg, device)
+    except StartupError as exc:
+        raise StartupError(exc.problems + tokenizer_free_problems(cfg)) from None
+    except ModelLoadError as exc:
+        raise StartupError([str(exc), *tokenizer_free_problems(cfg)]) from None
 
 
 def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):

@@ -158,6 +158,21 @@ def _letters_in_data(tmp: Path) -> list[str]:
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
+def _letters_in_small_data(tmp: Path) -> list[str]:
+    """Ten word problems for the bundled tokenizer, with the default data.eval_size (64): two problems."""
+    rows = [{"question": f"What is {a} plus 1?", "answer": str(a + 1)} for a in range(10)]
+    cfg = with_(data={"train": {"data_path": str(jsonl(tmp, "words.jsonl", rows))}})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
+def _missing_model_and_small_data(tmp: Path) -> list[str]:
+    """A model directory that does not exist and ten rows with the default data.eval_size (64)."""
+    rows = [{"question": f"{a}+1?", "answer": str(a + 1)} for a in range(10)]
+    cfg = with_(policy={"model_name": "./own/tiny_model"},
+                data={"train": {"data_path": str(jsonl(tmp, "mine.jsonl", rows))}})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
 def _missing_model_dir(given: Callable[[Path], str]) -> Callable[[Path], list[str]]:
     """`policy.model_name` set to a path that does not exist, beside a saved model the user meant."""
     def setup(tmp: Path) -> list[str]:
@@ -227,6 +242,14 @@ CASES = [
          ["words.jsonl: skipped 27 malformed row(s) of 27", "prompt has characters the tokenizer cannot represent",
           "data.max_bad_fraction", "tokenizer that knows only these characters: '0123456789+-*=;#? '",
           "use a pretrained model with its own tokenizer, e.g. policy.model_name=smollm2-135m-instruct"]),
+    # every start-up problem in the first message, each with a value that works
+    Case("words in a small dataset: the alphabet and the held-out share together", _letters_in_small_data, 2,
+         ["3 problems stop this run", "knows only these characters: '0123456789+-*=;#? '",
+          "words.jsonl: skipped 10 malformed row(s) of 10",
+          "data.eval_size=64 holds out every prompt", "set data.eval_size=2"]),
+    Case("missing model directory and a small dataset together", _missing_model_and_small_data, 2,
+         ["2 problems stop this run", "policy.model_name='./own/tiny_model': no such directory",
+          "data.eval_size=64 holds out every prompt", "set data.eval_size=2"]),
     # a path that does not exist is a missing directory, whether written relative or absolute, never a hub id
     Case("own model directory that does not exist (relative)", _missing_model_dir(lambda tmp: "./own/tiny_model"), 2,
          ["policy.model_name='./own/tiny_model': no such directory", "own/tiny_model does not exist",
