@@ -298,6 +298,9 @@ def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped 2 malformed row(s) of 29" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
     assert "line 29: answer '#4' can never score" in done.stderr
+    skipped = [line for line in done.stderr.splitlines() if "skipped 2 malformed row(s)" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("warning: "), done.stderr[-3000:]
+    assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr
 
 
 # ---- mistakes with a trained run: nothing of the run may be lost --------------------------------------------
@@ -561,3 +564,16 @@ def test_a_run_that_fails_is_marked_failed(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "has no 'solution'" in done.stderr and "--debug" in done.stderr
     assert _mlflow_status(tmp_path / "out") == "FAILED"
+
+
+def test_model_card_describes_the_tasks_the_run_trained_on(trained, tmp_path):
+    """TINY generates 1 to 3 operations of `+`/`-` on operands 1 to 9 (the generator never writes `*`): the
+    hf_final card and the export's card say exactly that, read from the run's config."""
+    out = tmp_path / "export"
+    assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
+    said = ("The questions were the bundled generated arithmetic tasks: 1 to 3 operations, each `+` or `-`, on "
+            "single-digit operands 1 to 9, evaluated left to right with every intermediate value in 0 to 99, "
+            "ending in `?` (e.g. `7+5-3?`); no `*`.")
+    for card in (out / "README.md", trained / "hf_final" / "README.md"):
+        text = card.read_text()
+        assert said in text and "`+ - *`" not in text, text
