@@ -110,10 +110,10 @@ def _models_near(path: Path) -> str:
     return f"; model directories in {parent}: {shown}"
 
 
-def load_pretrained(name: str, dtype: str):
+def load_pretrained(name: str, dtype: str, local_only: bool = False):
     """`AutoModelForCausalLM.from_pretrained(name)` in `dtype`. A local directory must hold a model
     (config.json), a path must exist (`model_path_problem`); anything else is taken as a hub id, which needs
-    the network."""
+    the network (`local_only`: the Hugging Face cache only)."""
     from transformers import AutoModelForCausalLM
 
     problem = model_path_problem(name)
@@ -121,24 +121,53 @@ def load_pretrained(name: str, dtype: str):
         raise ModelLoadError(problem)
     path = Path(name).expanduser()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=DTYPES[dtype])
+        if path.exists():
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], local_files_only=local_only)
     except (OSError, ValueError) as exc:
-        # a hub-shaped name that is not here either: say both, since it may be a mistyped local directory
-        where = ("the local directory" if path.exists() else
-                 f"the hub (is the network reachable?), and there is no local directory {path.resolve()}")
-        raise ModelLoadError(
-            f"policy.model_name={name!r}: cannot load a causal LM from {where}: {str(exc).splitlines()[0]}"
-        ) from None
+        if path.exists():
+            raise ModelLoadError(f"policy.model_name={name!r}: cannot load a causal LM from the local directory: "
+                                 f"{str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(_hub_failure(name, local_only, exc)) from None
+
+
+def _hub_failure(name: str, local_only: bool, exc: Exception) -> str:
+    """A hub id that did not load: the ways to run offline first, then what the hub said (it may also be a
+    mistyped local directory)."""
+    from bapo_nemo.embedded.hub import offline_fix
+
+    why = ("the Hugging Face hub is not reachable from here and it is not in the local cache" if local_only else
+           "it did not load from the Hugging Face hub")
+    return (f"policy.model_name={name!r}: {why}; {offline_fix(name)} (no local directory "
+            f"{Path(name).expanduser().resolve()} either; the hub said: {str(exc).splitlines()[0]})")
+
+
+def hub_cache_only(name: str) -> bool:
+    """Whether a hub id `name` must come from the local cache: HF_HUB_OFFLINE is set, or one short probe
+    finds the hub unreachable (so loading fails at once instead of after a minute of retries)."""
+    from bapo_nemo.embedded.hub import hub_offline_by_setting, hub_reachable
+
+    if Path(name).expanduser().exists():
+        return False
+    return hub_offline_by_setting() or not hub_reachable()
 
 
 def load_policy(cfg, device: torch.device) -> tuple[Any, Any, int]:
     """(model on its device, tokenizer, context window in tokens) of a run config: `policy.model_name`
     loaded with its own tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
+    from bapo_nemo.embedded.bundled_model import bundled_problem, is_bundled, load_bundled
     from bapo_nemo.embedded.tokenizer import load_tokenizer
 
-    if cfg.policy.model_name is not None:
-        model = load_pretrained(cfg.policy.model_name, cfg.model.dtype)
-        tokenizer = load_pretrained_tokenizer(cfg.policy.model_name)
+    if is_bundled(cfg.policy.model_name):
+        if (problem := bundled_problem(cfg.policy.model_name)) is not None:
+            raise ModelLoadError(problem)
+        model, tokenizer = load_bundled(cfg.policy.model_name, DTYPES[cfg.model.dtype])
+        tokenizer = ready_tokenizer(tokenizer, cfg.policy.model_name)
+        window = model.config.max_position_embeddings
+    elif cfg.policy.model_name is not None:
+        local_only = hub_cache_only(cfg.policy.model_name)
+        model = load_pretrained(cfg.policy.model_name, cfg.model.dtype, local_only)
+        tokenizer = load_pretrained_tokenizer(cfg.policy.model_name, local_only)
         check_tokenizer_fits(model, tokenizer, cfg.policy.model_name)
         window = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     else:
@@ -175,18 +204,23 @@ def prepare_model(model, device: torch.device, dtype: str, precision: str, gradi
     return model
 
 
-def load_pretrained_tokenizer(name: str):
+def load_pretrained_tokenizer(name: str, local_only: bool = False):
     """`AutoTokenizer.from_pretrained(name)` (the tokenizer of `policy.model_name`), left-padded. A tokenizer
     without a pad token pads with its EOS token (padding is always masked out); one without either is
     an error."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"policy.model_name={name!r}: cannot load its tokenizer: {str(exc).splitlines()[0]}"
         ) from None
+    return ready_tokenizer(tokenizer, name)
+
+
+def ready_tokenizer(tokenizer, name: str):
+    """`tokenizer` left-padded, padding with EOS where it has no pad token; one without EOS is an error."""
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(
             f"policy.model_name={name!r}: the tokenizer has no EOS token, so responses cannot end; "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bapo_nemo.embedded.evaluation import encode_prompt
@@ -26,7 +27,7 @@ class PromptFormat:
     """How one run's prompts were built, and the tokenizer to save so that its chat template builds them."""
 
     template: str  # the text the questions were put in ("{prompt}": as they are)
-    bundled: bool  # the bundled arithmetic tasks
+    bundled: str | None  # the bundled arithmetic tasks, as the run had them (`bundled_tasks_text`); None: a dataset
     tokenizer: Any  # the run's tokenizer, with a chat template that builds its prompts
     own_chat_template: bool  # the tokenizer came with its chat template (then the question goes in the text first)
 
@@ -53,8 +54,23 @@ def prompt_format(tokenizer, config: dict) -> PromptFormat:
     """The prompt format of a run of `config` (a checkpoint's config.yaml) with `tokenizer`."""
     template = training_template(config)
     prompting = prompting_tokenizer(tokenizer, template)
-    bundled = not ((config.get("data") or {}).get("train") or {}).get("data_path")
+    bundled = None if ((config.get("data") or {}).get("train") or {}).get("data_path") else bundled_tasks_text(config)
     return PromptFormat(template, bundled, prompting, prompting is tokenizer)
+
+
+def bundled_tasks_text(config: dict) -> str:
+    """What the bundled tasks of a run of `config` were: its task file, or the generator's settings (the
+    generator writes `+` and `-` only, on operands 1 to task.max_operand)."""
+    from bapo_nemo.embedded.config import TaskConfig
+
+    task = TaskConfig(**{k: v for k, v in (config.get("task") or {}).items() if k in TaskConfig.model_fields})
+    if task.train_file:
+        return f"The questions were the tasks of the run's file `{Path(task.train_file).name}`"
+    ops = f"{task.min_ops}" if task.min_ops == task.max_ops else f"{task.min_ops} to {task.max_ops}"
+    digits = "single-digit operands 1 to 9" if task.max_operand == 9 else f"operands 1 to {task.max_operand}"
+    return (f"The questions were the bundled generated arithmetic tasks: {ops} operations, each `+` or `-`, on "
+            f"{digits}, evaluated left to right with every intermediate value in 0 to {task.max_value}, ending "
+            "in `?` (e.g. `7+5-3?`); no `*`")
 
 
 def run_example(question: str, answer: str, solution: str | None, template: str) -> dict:
@@ -107,7 +123,7 @@ def prompting_tokenizer(tokenizer, template: str):
     return copied
 
 
-def prompt_section(template: str, bundled: bool, own_chat_template: bool, has_bos: bool, example: dict | None,
+def prompt_section(template: str, bundled: str | None, own_chat_template: bool, has_bos: bool, example: dict | None,
                    max_new_tokens: int, response: str | None = None, when: str = "at export") -> str:
     """The model card's section on prompting: the format, code that builds the prompt with
     `apply_chat_template` and answers greedily with up to `max_new_tokens`, and `example` (a held-out question
@@ -128,9 +144,9 @@ def prompt_section(template: str, bundled: bool, own_chat_template: bool, has_bo
                "prompt." + ("" if template == "{prompt}" else "\n\n" + _block(template)))
     lines = ["## How to prompt it", "", how.rstrip("\n"), ""]
     if bundled:
-        lines += [("The questions are the bundled arithmetic tasks: operands and `+ - *`, evaluated left to right, "
-                  "ending in `?`; the answer is the steps, then `#` and the value. The vocabulary is digits, "
-                  "`+-*=;#?` and space only: English (`What is 3 + 4?`) is not a prompt this model can read."), ""]
+        lines += [(f"{bundled}. The answer is the steps, then `#` and the value. Questions of another kind were "
+                   "not trained on. The vocabulary is digits, `+-*=;#?` and space only: English (`What is 3 + 4?`) "
+                   "is not a prompt this model can read."), ""]
     lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               'tokenizer = AutoTokenizer.from_pretrained("path/to/this/model")',
               'model = AutoModelForCausalLM.from_pretrained("path/to/this/model")',
@@ -161,7 +177,6 @@ def final_model_card(tokenizer, config: dict, example: dict | None, step: int, r
                      model_name: str) -> tuple[Any, str]:
     """(the tokenizer to save, README.md) of a run's hf_final: the card names the model, the step and the
     MLflow run, and says how to prompt it; it holds no local path (a model directory shows by its name)."""
-    from pathlib import Path
 
     from bapo_nemo.embedded.model import is_hub_id
 

@@ -6,11 +6,18 @@ trainer's whole summary in `<output_dir>/summary.json`).
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
 
-MLFLOW_UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+DEFAULT_MLFLOW_UI_PORT = 5000  # where `mlflow ui` serves unless --port or MLFLOW_PORT says otherwise
+
+
+def mlflow_ui_port() -> int:
+    """The port `mlflow ui` serves on here: MLFLOW_PORT (which mlflow ui reads) when set to a port, else 5000."""
+    value = os.environ.get("MLFLOW_PORT", "").strip()
+    return int(value) if value.isdigit() and 0 < int(value) < 65536 else DEFAULT_MLFLOW_UI_PORT
 
 
 def summary_record(summary: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +76,8 @@ def look_commands(record: dict[str, Any], experiment: str, experiment_id: str | 
     uri = record["mlflow_tracking_uri"]
     if uri.startswith("sqlite:///"):
         uri = "sqlite:///" + shown_path(uri[len("sqlite:///"):])
-        address, serve = MLFLOW_UI_ADDRESS, f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+        port = mlflow_ui_port()  # said in the command too, so the address printed is the one it serves
+        address, serve = f"http://127.0.0.1:{port}", f"mlflow ui --backend-store-uri {shlex.quote(uri)} --port {port}"
     else:
         address, serve = uri.rstrip("/"), None
     # MLflow 3.17's UI shows an experiment as a training one only with this parameter (or after the user

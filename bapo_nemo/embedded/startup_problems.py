@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from bapo_nemo.embedded.bundled_model import bundled_problem, is_bundled
 from bapo_nemo.embedded.data import DataError, source_path_problem
 from bapo_nemo.embedded.model import ModelLoadError, model_path_problem
 from bapo_nemo.embedded.tasks import TaskFileError, task_file_problem
@@ -59,7 +60,9 @@ def check_paths(cfg) -> None:
     """Every path of the config that names nothing (the model directory, the dataset files, the task
     files), before anything is loaded. Raises StartupError."""
     problems = Problems()
-    if cfg.policy.model_name is not None:
+    if is_bundled(cfg.policy.model_name):
+        problems.add(bundled_problem(cfg.policy.model_name))
+    elif cfg.policy.model_name is not None:
         problems.add(model_path_problem(cfg.policy.model_name))
     if cfg.data.train.data_path is not None:
         problems.add(source_path_problem(cfg.data.train.data_path, "train.data_path"))

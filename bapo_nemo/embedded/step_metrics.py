@@ -1,5 +1,5 @@
 """What one RL step logs (`step_metrics`, the sample table's rows `sample_rows`), and the watch on its learning
-signal (`ZeroSpreadWatch`).
+signal (`ZeroSpreadWatch`, and `from_scratch_stop` for a random model that cannot start learning).
 
 GRPO's advantage is a response's reward against its group's mean: a group whose responses all scored the
 same (all wrong, or all right) gets zero advantages and adds nothing to the gradient. `frac_reward_zero_std`,
@@ -79,9 +79,14 @@ class ZeroSpreadWatch:
     most: float = 0.5
     steps: int = 3
     streak: int = 0
+    seen: int = 0  # steps this process has watched
+    leading_zero_steps: int = 0  # of those, how many in a row from the first scored exactly 0
 
     def update(self, step: int, frac_zero_std: float, reward_mean: float) -> str | None:
         self.streak = self.streak + 1 if frac_zero_std > self.most else 0
+        if reward_mean == 0.0 and self.leading_zero_steps == self.seen:
+            self.leading_zero_steps += 1
+        self.seen += 1
         if self.streak != self.steps:
             return None
         if reward_mean == 0.0:
@@ -96,6 +101,29 @@ class ZeroSpreadWatch:
         return (f"no learning signal in steps {step - self.steps + 1}-{step}: frac_reward_zero_std "
                 f"{frac_zero_std:.2f} (share of groups whose responses all got the same reward, so zero "
                 f"advantage and no gradient); {why}")
+
+
+class NoLearningSignalError(RuntimeError):
+    """A randomly initialised policy without warm-up scored exactly 0 for its first steps: GRPO has no
+    advantage to follow, so the rest of the run would train nothing."""
+
+
+# Steps a randomly initialised policy may score exactly 0 before the run stops: its responses are random
+# strings, and one right answer in that many groups would already be a surprise.
+FROM_SCRATCH_ZERO_STEPS = 3
+
+
+def from_scratch_stop(step: int, leading_zero_steps: int, from_scratch: bool,
+                      warmup_steps_fix: int = 500) -> str | None:
+    """Why the run stops at `step`, or None: it started (step 1 in this process) from a randomly initialised
+    model with no warm-up (`from_scratch`) and each of its first FROM_SCRATCH_ZERO_STEPS steps scored exactly 0."""
+    if not from_scratch or step != FROM_SCRATCH_ZERO_STEPS or leading_zero_steps != step:
+        return None
+    return (f"no learning signal: every reward of the first {step} steps was exactly 0 (frac_reward_zero_std 1.00) "
+            "and a randomly initialised model (policy.model_name null) with warmup.steps=0 cannot find a right "
+            "answer to learn from; stopped instead of training on: set warmup.steps="
+            f"{warmup_steps_fix} (the supervised warm-up of configs/local_cpu.yaml), or start from a pretrained "
+            "model, e.g. policy.model_name=smollm2-135m-instruct (bundled, offline)")
 
 
 def sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:

@@ -15,6 +15,7 @@ from bapo_nemo.embedded.data import (
     fit_prompts,
     held_out_size_problem,
     load_tasks,
+    source_path_problem,
     split_held_out,
     template_problem,
     truncate_prompt,
@@ -23,7 +24,8 @@ from bapo_nemo.embedded.data import (
 from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
 from bapo_nemo.embedded.rewards import reward_function
 from bapo_nemo.embedded.startup_problems import Problems, response_length_problem
-from bapo_nemo.embedded.tasks import Task, TaskGenerator, load_jsonl_tasks, reward
+from bapo_nemo.embedded.tasks import Task, TaskFileError, TaskGenerator, load_jsonl_tasks, reward
+from bapo_nemo.embedded.text_checks import CANNOT_REPRESENT
 
 
 class TaskSource(NamedTuple):
@@ -90,10 +92,14 @@ def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource
         problems.add(size_problem)
         if size_problem is None:
             pool, eval_tasks = split_held_out(pool, data.eval_size, cfg.task.eval_seed)
+    else:  # the rows' other problems still say whether data.eval_size leaves any to train on
+        problems.add(_held_out_size_without_tokenizer(cfg))
     with problems.gather():
         score = reward_function(data.reward, data.default.output_key)
     problems.add(response_length_problem(window, cfg.partial_rollouts, [len(encode(t)) for t in pool or []],
                                          [len(encode(t)) for t in eval_tasks or []], data.overlong_prompts))
+    if cfg.policy.model_name is None and any(CANNOT_REPRESENT in line for line in problems.lines):
+        problems.lines.insert(0, _bundled_alphabet_line())
     problems.raise_if_any()
     max_prompt = window - cfg.partial_rollouts.max_response_tokens
     pool = fit_prompts(pool, encode, max_prompt, data.overlong_prompts, "training")
@@ -101,6 +107,48 @@ def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource
     if data.overlong_prompts == "truncate":
         return TaskSource(lambda task: truncate_prompt(encode(task), max_prompt), eval_tasks, pool, score)
     return TaskSource(encode, eval_tasks, pool, score)
+
+
+def _bundled_alphabet_line() -> str:
+    """What the bundled tiny model can read, and what to use for other text."""
+    from bapo_nemo.embedded.tokenizer import CHARACTERS
+
+    return (f"the bundled tiny model (policy.model_name null) has a tokenizer that knows only these characters: "
+            f"{''.join(CHARACTERS)!r} (the digits, + - * = ; # ? and space); for a dataset with other text (words, "
+            "letters, LaTeX) use a pretrained model with its own tokenizer, e.g. "
+            "policy.model_name=smollm2-135m-instruct (bundled, offline)")
+
+
+def tokenizer_free_problems(cfg: RunConfig) -> list[str]:
+    """What is wrong with the dataset as far as no tokenizer is needed to tell (it reads, its columns and
+    rows, the held-out share, the reward): said beside a model that did not load, so that the first message
+    holds every problem. Nothing when no dataset is configured or its path names nothing (said already)."""
+    data, problems = cfg.data, Problems()
+    if data.train.data_path is None or source_path_problem(data.train.data_path, "train.data_path"):
+        return []
+    pool = None
+    with problems.gather():
+        pool = load_tasks(data.train.data_path, data, data.train.split, "train.data_path")
+    if data.validation.data_path:
+        if not source_path_problem(data.validation.data_path, "validation.data_path"):
+            with problems.gather():
+                load_tasks(data.validation.data_path, data, data.validation.split, "validation.data_path")
+    elif pool is not None:
+        problems.add(held_out_size_problem(pool, data.eval_size, cfg.task.eval_seed, data.train.data_path))
+    with problems.gather():
+        reward_function(data.reward, data.default.output_key)
+    return problems.lines
+
+
+def _held_out_size_without_tokenizer(cfg: RunConfig) -> str | None:
+    """`held_out_size_problem` for the rows that are well-formed whatever the tokenizer (the training rows
+    failed with it): the fix for the tokenizer (another model) must not meet the held-out share next."""
+    data = cfg.data
+    try:
+        rows = load_tasks(data.train.data_path, data, data.train.split, "train.data_path")
+    except TaskFileError:
+        return None  # said already, by the load with the tokenizer
+    return held_out_size_problem(rows, data.eval_size, cfg.task.eval_seed, data.train.data_path)
 
 
 def rollout_reward(tokenizer, score: Callable[[str, Task], float], rollout) -> float:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 
+CANNOT_REPRESENT = "characters the tokenizer cannot represent"
+
 
 def round_trip(tokenizer, text: str) -> str:
     """`text` as the model sees it: encoded without special tokens, decoded as it was written."""
@@ -32,7 +34,7 @@ def representation_problem(tokenizer, text: str, what: str) -> str | None:
     lost, back = lost_characters(tokenizer, text)
     if not lost:
         return None
-    return (f"{what} has characters the tokenizer cannot represent: {lost!r} ({_short(text)!r} comes back from "
+    return (f"{what} has {CANNOT_REPRESENT}: {lost!r} ({_short(text)!r} comes back from "
             f"{type(tokenizer).__name__} as {_short(back)!r})")
 
 

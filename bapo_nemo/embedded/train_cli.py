@@ -97,6 +97,7 @@ def main(args: argparse.Namespace) -> int:
         print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
               "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
               file=sys.stderr)
+    _warnings_as_lines()
     # torch/transformers load only now
     from bapo_nemo.embedded.checkpoint import CheckpointError
     from bapo_nemo.embedded.model import ModelLoadError
@@ -104,12 +105,13 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.run_log import append_line
     from bapo_nemo.embedded.run_summary import summary_record, summary_text
+    from bapo_nemo.embedded.step_metrics import NoLearningSignalError
     from bapo_nemo.embedded.tasks import TaskFileError
     from bapo_nemo.embedded.trainer import train
     from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
-                   TrackingUnavailableError)
+                   TrackingUnavailableError, NoLearningSignalError)
     try:
         with OutputDirLock(output_dir) as lock:
             if lock.stale:
@@ -138,6 +140,26 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.stop_signals import exit_status
 
     return exit_status(summary["stopped_by_signal"])
+
+
+def _warnings_as_lines() -> None:
+    """A warning of this package's own (rows skipped, prompts too long) as one line, `warning: ...`, to the
+    console and the run's log; a library's warning as Python shows it (its source line says where)."""
+    import logging
+    import warnings
+
+    from bapo_nemo.embedded.run_log import LOGGER
+
+    package = Path(__file__).resolve().parents[1]
+    python_default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if Path(filename).resolve().is_relative_to(package):
+            logging.getLogger(LOGGER).warning(f"warning: {message}")
+        else:
+            python_default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def _ending(exc: BaseException) -> str:

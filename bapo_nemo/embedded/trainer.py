@@ -39,21 +39,23 @@ from bapo_nemo.embedded import checkpoint as ckpt_io
 from bapo_nemo.embedded import warmup as warmup_io
 from bapo_nemo.embedded.config import RunConfig, run_params
 from bapo_nemo.embedded.evaluation import evaluate
-from bapo_nemo.embedded.model import DTYPES, load_policy, prepare_policy
+from bapo_nemo.embedded.model import DTYPES, ModelLoadError, load_policy, prepare_policy
 from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
 from bapo_nemo.embedded.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
 from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
 from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
-from bapo_nemo.embedded.startup_problems import check_paths
+from bapo_nemo.embedded.startup_problems import StartupError, check_paths
 from bapo_nemo.embedded.step_metrics import (
     ZERO_SPREAD_TAG,
+    NoLearningSignalError,
     ZeroSpreadWatch,
     finite,
+    from_scratch_stop,
     sample_rows,
     step_metrics,
 )
 from bapo_nemo.embedded.stop_signals import StopFlag
-from bapo_nemo.embedded.task_source import rollout_reward, task_source
+from bapo_nemo.embedded.task_source import rollout_reward, task_source, tokenizer_free_problems
 from bapo_nemo.embedded.tasks import Task, TaskStream
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
@@ -142,8 +144,7 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag, warm
     torch.manual_seed(cfg.grpo.seed)
 
     ckpt = checkpoint_to_resume(output_dir, config_dict, resume)
-    check_paths(cfg)  # every path that names nothing, before anything loads
-    model, tokenizer, context_window = load_policy(cfg, device)
+    model, tokenizer, context_window = _load_checked_policy(cfg, device)
     encode, eval_tasks, pool, score = task_source(cfg, tokenizer, context_window)
     held_out = {t.question for t in eval_tasks}
     stream = TaskStream(cfg.grpo.seed, cfg.task, held_out, pool)
@@ -209,6 +210,18 @@ def _set_up(cfg: RunConfig, output_dir: Path, resume: bool, stop: StopFlag, warm
         stop,
         warmup_sources,
     )
+
+
+def _load_checked_policy(cfg: RunConfig, device: torch.device):
+    """`load_policy` after `check_paths`; when either fails, the dataset's problems that need no tokenizer
+    are said in the same message (one attempt shows every problem)."""
+    try:
+        check_paths(cfg)  # every path that names nothing, before anything loads
+        return load_policy(cfg, device)
+    except StartupError as exc:
+        raise StartupError(exc.problems + tokenizer_free_problems(cfg)) from None
+    except ModelLoadError as exc:
+        raise StartupError([str(exc), *tokenizer_free_problems(cfg)]) from None
 
 
 def _load_model(cfg: RunConfig, like, path: Path, device: torch.device):
@@ -289,6 +302,11 @@ def _record_step(run: _Run, outcome: StepOutcome) -> dict[str, float]:
     run.metrics_log.write({"step": step, **metrics})
     log.info(step_line(step, cfg.grpo.max_num_steps, metrics, cfg.eval.k))
     warning = run.spread_watch.update(step, metrics["frac_reward_zero_std"], metrics["reward/mean"])
+    from_scratch = cfg.policy.model_name is None and cfg.warmup.steps == 0
+    stop = from_scratch_stop(step, run.spread_watch.leading_zero_steps, from_scratch)
+    if stop:
+        run.tracker.log_tags({ZERO_SPREAD_TAG: stop})
+        raise NoLearningSignalError(stop)
     if warning:  # console, train.log and the MLflow run
         log.warning(warning)
         run.tracker.log_tags({ZERO_SPREAD_TAG: warning})

@@ -73,8 +73,6 @@ def main(args: argparse.Namespace) -> int:
             result = export_megatron(ref, args.out, force=args.force)
         else:
             result = _export_embedded(args, ref, prompts)
-        if result.parity is not None:
-            print(f"max_abs_logprob_diff={result.parity.max_abs_diff:.6g}")
         if args.register_model:
             from bapo_nemo.export.registry import register_export
 

@@ -55,8 +55,9 @@ class ParityResult:
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         tok = "" if self.tokenizer_match else ", tokenizer encodes the prompts differently"
-        return (f"parity {verdict}: max |dlogp| = {self.max_abs_diff:.3g}, mean {self.mean_abs_diff:.3g} "
-                f"(tolerance {self.tolerance:g} on the {self.criterion}) over {self.num_tokens} tokens in {self.num_sequences} sequences{tok}")
+        return (f"parity {verdict}: max_abs_logprob_diff={self.max_abs_diff:.6g}, mean {self.mean_abs_diff:.3g} "
+                f"(tolerance {self.tolerance:g} on the {self.criterion}) over {self.num_tokens} tokens in "
+                f"{self.num_sequences} sequences{tok}")
 
 
 def representable_prompts(tokenizer, prompts: list[str] | None = None) -> list[str]:

@@ -84,6 +84,9 @@ SERIES_STYLE = {
     "bapo/c_high": ("-", "c_high"),
     "bapo/c_low": ("--", "c_low"),
 }
+# Under the clip-bounds panel: why bounds that jump between the ends of their range every step are healthy.
+CLIP_BOUNDS_NOTE = ("jumps between the grid's ends (c_high 1.2 <-> 3.0) are expected: each update re-picks\n"
+                    "its bounds; with the share near rho0, some updates need none widened, others the widest")
 # A y-range narrower than this share of the values' size is widened to it: a flat curve reads as flat,
 # and tick labels never need an offset (matplotlib's "1e-5+6.1347").
 MIN_RELATIVE_SPAN = 0.01
@@ -235,6 +238,8 @@ def draw_panels(runs: list[RunData]):
             extra = _counted_handles(runs, colours)
         elif panel.metrics == ("heldout/avg@k",):
             extra = _heldout_handles(ax, runs)
+        elif "bapo/c_high" in panel.metrics and "bapo/c_high" in drawn:
+            extra = [Line2D([], [], ls="none", label=CLIP_BOUNDS_NOTE)]
         if len(handles) > 1 or extra:  # under the panel, clear of its curves
             ax.legend(handles=handles + extra, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2),
                       ncol=1 if extra else 2, frameon=False)

@@ -112,8 +112,8 @@ def comparison_lines(runs) -> list[str]:
     counts = [(run, median_counted(run)) for run in runs]
     counts = [(run, c) for run, c in counts if c is not None]
     if counts:
-        lines.append("rho = P / (P + N) is measured over each run's own tokens (median per update): "
-                     + ", ".join(f"{run.label} {c:.0f}" for run, c in counts))
+        lines.append("rho = P / (P + N) is measured over each run's own tokens; tokens per update (median): "
+                     + ", ".join(f"{run.label} {c:.0f} tokens" for run, c in counts))
         if max(c for _, c in counts) > 1.5 * min(c for _, c in counts):
             lines.append("  so their shares are over different token sets (how many responses had reward spread, "
                          "and which tokens their bounds keep): compare them with that in mind")

@@ -398,8 +398,8 @@ def readme_own_model_command() -> list[str]:
 
 def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
     """The README's own-model command, run as written (a CLI subprocess) in a directory holding
-    my_math.jsonl, on this CPU machine. Only the hub id is swapped for a local model (the tests download
-    nothing) and settings that make it one short step are appended. Its GPU variant (the same without the
+    my_math.jsonl, on this CPU machine. Only the bundled SmolLM2 is swapped for a tiny local model (its
+    135M parameters cost more than a test may) and settings that make it one short step are appended. Its GPU variant (the same without the
     CPU settings) stops at once naming both settings; with runtime.device=cpu alone it says bf16 autocast
     runs on the CPU."""
     import subprocess
@@ -407,7 +407,7 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
 
     readme = readme_own_model_command()
     assert readme[:3] == ["bapo-nemo", "train", "configs/own_model.yaml"]
-    assert "policy.model_name=Qwen/Qwen2.5-0.5B-Instruct" in readme and "--output-dir" not in readme
+    assert "policy.model_name=smollm2-135m-instruct" in readme and "--output-dir" not in readme
     cpu_settings = readme[-2:]
     assert cpu_settings == ["runtime.device=cpu", "policy.precision=float32"]
     model_dir = save_tiny_model("qwen2", tmp_path)
@@ -416,7 +416,7 @@ def test_the_readme_own_model_command_runs_as_written_on_a_cpu(tmp_path):
         "".join(json.dumps({"question": r["problem"], "answer": r["final"]}) + "\n" for r in MATH_ROWS)
     )
     command = [sys.executable, "-m", "bapo_nemo.cli", *readme[1:]]
-    command[command.index("policy.model_name=Qwen/Qwen2.5-0.5B-Instruct")] = f"policy.model_name={model_dir}"
+    command[command.index("policy.model_name=smollm2-135m-instruct")] = f"policy.model_name={model_dir}"
     one_step = [
         "data.eval_size=4",
         "grpo.num_generations_per_prompt=2",
@@ -471,7 +471,7 @@ def test_the_readme_own_model_command_on_a_small_dataset_names_every_problem_at_
     rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(1, 7) for b in range(1, 6)]
     (tmp_path / "my_math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     command = [*readme[1:], "--no-progress"]
-    command[command.index("policy.model_name=Qwen/Qwen2.5-0.5B-Instruct")] = f"policy.model_name={model_dir}"
+    command[command.index("policy.model_name=smollm2-135m-instruct")] = f"policy.model_name={model_dir}"
 
     def run(*argv: str):
         return cli_process.run(*argv, cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)

@@ -441,7 +441,7 @@ def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_t
         "  plot:        run/plots/training_dynamics.png",
         "  final model: run/hf_final  (AutoModelForCausalLM.from_pretrained)",
         "next:",
-        f"  mlflow ui --backend-store-uri sqlite:///run/mlflow.db   # then open {page}",
+        f"  mlflow ui --backend-store-uri sqlite:///run/mlflow.db --port 5000   # then open {page}",
         "  bapo-nemo report --experiment bapo-embedded --tracking-uri sqlite:///run/mlflow.db",
         "  (for scripts: run/summary.json, or --json)",
     ]

@@ -90,7 +90,8 @@ def test_cli_refuses_existing_dir_then_force_replaces_only_a_previous_export(che
     (out / "stale.txt").write_text("from the previous export")
     assert cli_main(["export", str(checkpoint), "--out", str(out), "--force"]) == 0
     printed = capsys.readouterr().out
-    assert "max_abs_logprob_diff=" in printed and "parity PASS" in printed
+    verdicts = [line for line in printed.splitlines() if "max_abs_logprob_diff=" in line]
+    assert verdicts and all(v.startswith("parity PASS: max_abs_logprob_diff=") for v in verdicts), printed
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]  # no temp or old dirs left
 

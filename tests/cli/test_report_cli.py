@@ -161,7 +161,7 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
 
     import matplotlib.pyplot as plt
 
-    from bapo_nemo.tracking.report import draw_panels, plot_panels
+    from bapo_nemo.tracking.report import CLIP_BOUNDS_NOTE, draw_panels, plot_panels
 
     steps = {}
     for step in range(1, 7):
@@ -185,8 +185,9 @@ def test_figure_names_each_series_in_its_panel_and_breaks_undefined_rho(store, t
     assert legends == {
         "Training reward": ["mean reward", "groups with zero reward spread"],
         "Positive share rho": ["rho at the chosen bounds", "rho at the starting bounds", "target rho0 = 0.5"],
-        "Clip bounds": ["c_high", "c_low"],
+        "Clip bounds": ["c_high", "c_low", CLIP_BOUNDS_NOTE],
     }
+    assert "(c_high 1.2 <-> 3.0) are expected" in CLIP_BOUNDS_NOTE
     clip_styles = [h.get_linestyle() for h in axes["Clip bounds"].get_legend().legend_handles]
     assert clip_styles[0] != clip_styles[1]
     assert fig._suptitle.get_text() == f"run {run.label}" and not fig.legends
@@ -281,7 +282,7 @@ def test_held_out_points_carry_their_sample_and_interval_and_rho_says_what_it_co
                                 "0.610", "[0.551,", "0.669]", "at", "step", "4", "(+0.100)"]
     assert lines[4] == ("  a difference under about 0.060 (the typical interval's half-width) is within the noise of "
                         "this held-out set")
-    assert lines[5] == ("rho = P / (P + N) is measured over each run's own tokens (median per update): "
-                        f"{label['fixed']} 260, {label['bapo']} 940")
+    assert lines[5] == ("rho = P / (P + N) is measured over each run's own tokens; tokens per update (median): "
+                        f"{label['fixed']} 260 tokens, {label['bapo']} 940 tokens")
     assert "different token sets" in lines[6]
     assert "In numbers" in (tmp_path / "report" / "report.html").read_text()

@@ -158,6 +158,21 @@ def _letters_in_data(tmp: Path) -> list[str]:
     return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
 
 
+def _letters_in_small_data(tmp: Path) -> list[str]:
+    """Ten word problems for the bundled tokenizer, with the default data.eval_size (64): two problems."""
+    rows = [{"question": f"What is {a} plus 1?", "answer": str(a + 1)} for a in range(10)]
+    cfg = with_(data={"train": {"data_path": str(jsonl(tmp, "words.jsonl", rows))}})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
+def _missing_model_and_small_data(tmp: Path) -> list[str]:
+    """A model directory that does not exist and ten rows with the default data.eval_size (64)."""
+    rows = [{"question": f"{a}+1?", "answer": str(a + 1)} for a in range(10)]
+    cfg = with_(policy={"model_name": "./own/tiny_model"},
+                data={"train": {"data_path": str(jsonl(tmp, "mine.jsonl", rows))}})
+    return ["train", str(write_config(tmp, cfg)), "--output-dir", str(tmp / "out")]
+
+
 def _missing_model_dir(given: Callable[[Path], str]) -> Callable[[Path], list[str]]:
     """`policy.model_name` set to a path that does not exist, beside a saved model the user meant."""
     def setup(tmp: Path) -> list[str]:
@@ -225,7 +240,16 @@ CASES = [
          ["line 6: answer '#2' can never score", "line 7: answer '3 ' can never score", "task.max_bad_fraction"]),
     Case("text the bundled tokenizer cannot represent", _letters_in_data, 2,
          ["words.jsonl: skipped 27 malformed row(s) of 27", "prompt has characters the tokenizer cannot represent",
-          "data.max_bad_fraction"]),
+          "data.max_bad_fraction", "tokenizer that knows only these characters: '0123456789+-*=;#? '",
+          "use a pretrained model with its own tokenizer, e.g. policy.model_name=smollm2-135m-instruct"]),
+    # every start-up problem in the first message, each with a value that works
+    Case("words in a small dataset: the alphabet and the held-out share together", _letters_in_small_data, 2,
+         ["3 problems stop this run", "knows only these characters: '0123456789+-*=;#? '",
+          "words.jsonl: skipped 10 malformed row(s) of 10",
+          "data.eval_size=64 holds out every prompt", "set data.eval_size=2"]),
+    Case("missing model directory and a small dataset together", _missing_model_and_small_data, 2,
+         ["2 problems stop this run", "policy.model_name='./own/tiny_model': no such directory",
+          "data.eval_size=64 holds out every prompt", "set data.eval_size=2"]),
     # a path that does not exist is a missing directory, whether written relative or absolute, never a hub id
     Case("own model directory that does not exist (relative)", _missing_model_dir(lambda tmp: "./own/tiny_model"), 2,
          ["policy.model_name='./own/tiny_model': no such directory", "own/tiny_model does not exist",
@@ -274,6 +298,9 @@ def test_over_long_prompts_within_max_bad_fraction_are_skipped_and_counted(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped 2 malformed row(s) of 29" in done.stderr and "line 21: prompt of 303 tokens" in done.stderr
     assert "line 29: answer '#4' can never score" in done.stderr
+    skipped = [line for line in done.stderr.splitlines() if "skipped 2 malformed row(s)" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("warning: "), done.stderr[-3000:]
+    assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr
 
 
 # ---- mistakes with a trained run: nothing of the run may be lost --------------------------------------------
@@ -537,3 +564,16 @@ def test_a_run_that_fails_is_marked_failed(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "has no 'solution'" in done.stderr and "--debug" in done.stderr
     assert _mlflow_status(tmp_path / "out") == "FAILED"
+
+
+def test_model_card_describes_the_tasks_the_run_trained_on(trained, tmp_path):
+    """TINY generates 1 to 3 operations of `+`/`-` on operands 1 to 9 (the generator never writes `*`): the
+    hf_final card and the export's card say exactly that, read from the run's config."""
+    out = tmp_path / "export"
+    assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
+    said = ("The questions were the bundled generated arithmetic tasks: 1 to 3 operations, each `+` or `-`, on "
+            "single-digit operands 1 to 9, evaluated left to right with every intermediate value in 0 to 99, "
+            "ending in `?` (e.g. `7+5-3?`); no `*`.")
+    for card in (out / "README.md", trained / "hf_final" / "README.md"):
+        text = card.read_text()
+        assert said in text and "`+ - *`" not in text, text

@@ -86,7 +86,8 @@ def test_export_passes_overrides_and_checks_parity_against_recorded_logprobs(tmp
     out = tmp_path / "hf"
     assert cli_main(["export", str(step), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "parity PASS" in printed and "max_abs_logprob_diff=" in printed
+    verdicts = [line for line in printed.splitlines() if "max_abs_logprob_diff=" in line]
+    assert verdicts and all(v.startswith("parity PASS: max_abs_logprob_diff=") for v in verdicts), printed
     (call,) = exporter.calls
     assert call["hf_overrides"] == {"rope_theta": 500000.0}  # v0.7.0's script would pass {}
     assert call["input_path"].endswith("step_40/policy/weights/iter_0000040")
