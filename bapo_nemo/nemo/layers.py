@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bapo_nemo.algorithm.options import NemoBAPOOptions
-from bapo_nemo.nemo.seams import CHECKPOINT, GRPO, LM_POLICY, LOGGER, VLLM_GENERATION, PACKED_LOSS_PROBE
+from bapo_nemo.nemo.seams import CHECKPOINT, GRPO, LM_POLICY, LOGGER, PACKED_LOSS_PROBE, VLLM_GENERATION
 
 BEFORE_RAY = "before ray"  # module globals; a stop signal from here on is remembered, not fatal
 BEFORE_SETUP = "before setup"  # module globals that read the generation config Ray's set-up completed

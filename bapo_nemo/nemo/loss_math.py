@@ -19,7 +19,6 @@ value over the step. Our names never contain "_min"/"_max": such names would be 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
