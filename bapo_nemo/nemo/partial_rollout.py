@@ -450,7 +450,7 @@ def install_partial_rollouts(
     `partial_config` defaults to the config's `partial_rollouts:` block. Sets
     `policy.generation.max_new_tokens` to `token_budget` (the old value becomes the total response cap
     unless `max_response_tokens` is given) and wraps `grpo.run_multi_turn_rollout` and `grpo.validate`.
-    Then call `hook.attach(policy, checkpoint_hooks)` after setup. Raises PartialRolloutSetupError listing
+    Then call `hook.attach(train_calls, checkpoint_hooks)` after setup. Raises PartialRolloutSetupError listing
     every incompatible setting.
     """
     partial_config, prefill_batches = _partial_config(master_config, partial_config)
