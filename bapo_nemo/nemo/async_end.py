@@ -1,9 +1,8 @@
 """Whether `async_grpo_train` ended as asked, or failed and returned.
 
-v0.7.0's async loop catches every exception of its loop (and a failed first refit), prints it and returns
-(grpo.py, lines 3555-3562 and 4321-4325); main re-raises, but still returns early when a validation
-metric meets `grpo.stop_at_validation_metric`. Without a check a crashed job exits 0 and looks finished to
-Slurm and to a resubmitting script. So the driver records the steps the loop finished (its last
+The async loop may print its loop's exception and return (where the installed NeMo-RL swallows it), or
+return early at `grpo.stop_at_validation_metric`. Without a check a crashed job exits 0 and looks finished
+to Slurm and to a resubmitting script. So the driver records the steps the loop finished (its last
 `log_metrics` of a step says `step_finished=True`, after training, refit and checkpoint) and the last
 validation metrics, and after the loop an end before `grpo.max_num_steps` is an error unless the loop
 was told to stop: SIGUSR1 or `checkpointing.checkpoint_must_save_by` (through TimeoutChecker.check_save),

@@ -149,6 +149,20 @@ def set_aside_name(step_dir: Path) -> Path:
     return target
 
 
+def _note_damaged(state: dict, damaged: list, intact: Path | None) -> None:
+    """Remember each damaged checkpoint in the manager's `state` and name it once, with what is resumed."""
+    reported = state.setdefault("_damaged", {})
+    for path, reason in damaged:
+        state.setdefault("_damaged_seen", set()).add(path)
+        if path not in reported:
+            reported[path] = reason
+            print(
+                f"checkpoint {path} is damaged ({reason}): skipped and left in place; resuming "
+                f"from {intact if intact is not None else 'the start'}",
+                flush=True,
+            )
+
+
 def skipping_damaged(manager_cls: type) -> type:
     """A subclass of NeMo-RL's CheckpointManager that resumes from the newest intact checkpoint."""
     if getattr(manager_cls, "skips_damaged", False):
@@ -163,16 +177,7 @@ def skipping_damaged(manager_cls: type) -> type:
             if cached is None or cached[0] != names:
                 intact, damaged = newest_intact(self.checkpoint_dir)
                 self._intact_cache = cached = (names, intact)
-                reported = self.__dict__.setdefault("_damaged", {})
-                for path, reason in damaged:
-                    self.__dict__.setdefault("_damaged_seen", set()).add(path)
-                    if path not in reported:
-                        reported[path] = reason
-                        print(
-                            f"checkpoint {path} is damaged ({reason}): skipped and left in place; resuming "
-                            f"from {intact if intact is not None else 'the start'}",
-                            flush=True,
-                        )
+                _note_damaged(self.__dict__, damaged, intact)
             return None if cached[1] is None else str(cached[1])
 
         def init_tmp_checkpoint(self, step, *args, **kwargs):

@@ -1,6 +1,6 @@
 """`checkpointing.checkpoint_must_save_by` from the job's real end time, set just before the train loop.
 
-v0.7.0's `TimeoutChecker` counts that duration from the start of `grpo_train` and is asked at each step's
+NeMo-RL's `TimeoutChecker` counts that duration from the start of `grpo_train` and is asked at each step's
 end whether elapsed time plus the mean step time reaches it (`fit_last_save_time=True`). A value fixed
 when the job starts must guess how long set-up takes (download, HF->Megatron conversion, vLLM start-up),
 and a cold first attempt that takes longer ends without a checkpoint. Computed here, after set-up, it is

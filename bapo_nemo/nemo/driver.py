@@ -1,19 +1,9 @@
-"""The BAPO driver for NeMo-RL (v0.7.0 and main): `examples/run_grpo.py`'s flow with BAPOLossFn swapped in.
+"""The BAPO driver for NeMo-RL (`python -m bapo_nemo.train`): `examples/run_grpo.py`'s recipe with BAPOLossFn.
 
-    load config (+ Hydra overrides) -> our config checks, the keys the installed NeMo-RL requires, every
-    seam on its call path (seams.py) -> MLflow logger config -> MasterConfig -> init_ray -> tokenizer,
-    generation config, datasets -> [partial rollouts | per-token version recording] -> grpo.setup(...)
-    -> replace setup's ClippedPGLossFn by BAPOLossFn -> [FP8 packing width guard, step-granularity
-    wrapper on policy.train, per-token ages] -> our files in every checkpoint, and their watch
-    (checkpoint_hooks.py)
-    -> MLflow tags/params -> grpo_train or async_grpo_train, inside the checkpointer's scope
-
-Where NeMo-RL releases differ, installed.py decides from what the installed nemo_rl has.
-
-Resume: NeMo-RL's `setup()` looks for the newest `checkpointing.checkpoint_dir/step_N` itself
-(`CheckpointManager.get_latest_checkpoint_path`) and restores the GRPO state, the dataloader position,
-the weights and the optimizer from it; re-running the same command resumes. The MLflow run id is
-resumed by `prepare_logger_config` from the same directory.
+`main` reads top to bottom: load and check the config (nothing starts on a refusal), install the layers
+(layers.py: every wrap and replacement on NeMo-RL, in one ordered list), set up as run_grpo.py does,
+attach BAPOLossFn and the layers on what setup() built, run grpo_train or async_grpo_train, finish.
+Resume is NeMo-RL's own: setup() loads the newest checkpoint of `checkpointing.checkpoint_dir`.
 
 Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
 """
@@ -29,8 +19,8 @@ from typing import Any
 import yaml
 
 from bapo_nemo.config_kind import wrong_tool_for_embedded
+from bapo_nemo.nemo.layers import AFTER_SETUP, BEFORE_RAY, BEFORE_SETUP, Run, install_layers
 from bapo_nemo.plan import registry
-from bapo_nemo.plan.rules.checks import bapo_enabled
 from bapo_nemo.plan.rules.cluster_plan import plan_cluster
 from bapo_nemo.plan.rules.config_io import ConfigLoadError, defaults_base, get, load_with_defaults
 from bapo_nemo.plan.rules.findings import Finding
@@ -116,9 +106,10 @@ def raise_on_errors(findings: list[Finding]) -> None:
         raise DriverConfigError("config errors:\n  " + "\n  ".join(f"{f.key}: {f.message}" for f in errors))
 
 
-def make_loss_fn(master_config, setup_loss_fn: Any = None) -> Any:
+def make_loss_fn(master_config, setup_loss_fn: Any = None, options: Any = None) -> Any:
     """BAPOLossFn for this config, built as setup() built its ClippedPGLossFn (same extra arguments of the
-    installed NeMo-RL; its DTensor layout is needed to rebuild the data-parallel group)."""
+    installed NeMo-RL; its DTensor layout is needed to rebuild the data-parallel group). `options`: the
+    loss_fn.bapo block the driver parsed (parsed here when None)."""
     from bapo_nemo.nemo.installed import loss_fn_kwargs
     from bapo_nemo.nemo.loss import BAPOLossFn
 
@@ -127,26 +118,8 @@ def make_loss_fn(master_config, setup_loss_fn: Any = None) -> Any:
         master_config.loss_fn,
         dtensor_tp=int(dtensor.get("tensor_parallel_size", 1) or 1),
         dtensor_cp=int(dtensor.get("context_parallel_size", 1) or 1),
+        options=options,
         **(loss_fn_kwargs(setup_loss_fn) if setup_loss_fn is not None else {}),
-    )
-
-
-def install_step_bounds(policy, loss_fn, master_config) -> None:
-    """granularity: step -> wrap policy.train on the driver (see step_bounds.py for the cost)."""
-    from bapo_nemo.nemo.installed import grpo_settings
-    from bapo_nemo.nemo.step_bounds import StepBoundsTrainer
-
-    options = loss_fn.options
-    if not options.bapo.enabled or options.bapo.granularity != "step":
-        return
-    grpo = grpo_settings(master_config)
-    policy.train = StepBoundsTrainer(
-        policy,
-        options,
-        master_config.loss_fn.model_dump(),
-        master_config.policy["train_global_batch_size"],
-        group_size=grpo["num_generations_per_prompt"],
-        seed=grpo.get("seed", 0),
     )
 
 
@@ -189,30 +162,6 @@ def check_before_start(config: dict, skip_checks: bool) -> set[str]:
     return verify_seams(config)
 
 
-def packed_width_guard_needed(off_path: set[str]) -> bool:
-    """Whether the FP8 packing-width guard is needed: where the installed NeMo-RL's fused loss input
-    overflows (installed.py's probe), or where the probe is off the loss's call path (its answer may then
-    not be the path's; the guard is correct either way)."""
-    from bapo_nemo.nemo.installed import packed_loss_needs_full_width
-    from bapo_nemo.nemo.seams import PACKED_LOSS_PROBE
-
-    return PACKED_LOSS_PROBE in off_path or packed_loss_needs_full_width()
-
-
-def attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook):
-    """partial_rollouts.json and the parity log-probs into every checkpoint, and the watch over them."""
-    from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
-    from bapo_nemo.nemo.parity_recorder import PARITY_FILE, parity_writer
-
-    hooks = CheckpointHooks(checkpointer)
-    hooks.add(PARITY_FILE, parity_writer(policy, tokenizer, master_config))  # for `bapo-nemo export`'s parity
-    if partial_hook is not None:
-        partial_hook.attach(policy, hooks)
-    hooks.install()
-    policy.train = hooks.guard(policy.train)  # a checkpoint's rename is seen at the next train at the latest
-    return hooks
-
-
 DISK_FULL_EXIT = 74  # EX_IOERR: a requeue would fail the same way until space is freed
 
 
@@ -244,187 +193,163 @@ def refit_before_async_loop(policy, policy_generation, master_config) -> None:
     grpo.refit_policy_generation(policy, policy_generation, False)  # looked up here: token_versions counts it
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(argv)  # --help works without NeMo-RL
-    wrong_tool = _embedded_config(args.config)
-    if wrong_tool is not None:
-        print(f"error: {wrong_tool}", file=sys.stderr)
-        return 2
+class StartRefused(Exception):
+    """The run cannot start; the message is one line (or one per problem) naming the fix."""
+
+
+def nemo_rl_importable() -> None:
     try:
-        from nemo_rl.algorithms import grpo as grpo_module
+        import nemo_rl.algorithms.grpo  # noqa: F401
     except ImportError as exc:
         raise SystemExit(
             f"NeMo-RL is not importable ({exc}): run inside nvcr.io/nvidia/nemo-rl:v0.7.0 (or a newer tested "
             "image) with this checkout on PYTHONPATH (see docs/nemo_rl.md); on one machine without GPUs use "
             "`bapo-nemo train`"
         ) from None
-    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+
+
+def load_and_check(args: argparse.Namespace, overrides: list[str]) -> Run:
+    """The config, checked before anything starts or is written, with loss_fn.bapo parsed once."""
+    wrong_tool = _embedded_config(args.config)  # said before NeMo-RL is imported: on any machine
+    if wrong_tool is not None:
+        raise StartRefused(wrong_tool)
+    nemo_rl_importable()
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.utils.logger import get_next_experiment_dir
+
+    from bapo_nemo.nemo.loss import bapo_options_from_loss_config, loss_config
+    from bapo_nemo.nemo.seams import SeamError
+    from bapo_nemo.tracking.nemo_rl import prepare_logger_config
+
+    try:
+        config = load_config(args, overrides)
+        off_path = check_before_start(config, args.skip_checks)
+    except (ConfigLoadError, SeamError) as exc:  # a missing `defaults:` entry, a seam off the call path
+        raise StartRefused(str(exc)) from None
+    bapo = bapo_options_from_loss_config(loss_config(config["loss_fn"]))
+    if not isinstance(get(config, "loss_fn.bapo"), dict) or not bapo.bapo.enabled:
+        print("loss_fn.bapo is absent or disabled: training is plain GRPO (ClippedPGLossFn semantics)")
+    config = prepare_logger_config(config)  # MLflow on, sqlite/server URI, resumed run id
+    master_config = MasterConfig(**config)
+    master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
+    if master_config.checkpointing["enabled"]:
+        print(f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)")
+    return Run(config=config, bapo=bapo, off_path=off_path, master_config=master_config)
+
+
+def set_up(run: Run) -> None:
+    """Ray, the tokenizer, the generation config and the data, then NeMo-RL's own setup()."""
+    from nemo_rl.algorithms.grpo import setup
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
     from nemo_rl.distributed.virtual_cluster import init_ray
     from nemo_rl.models.generation import configure_generation_config
-    from nemo_rl.utils.logger import get_next_experiment_dir
 
-    from bapo_nemo.nemo.async_end import AsyncLoopWatch
-    from bapo_nemo.nemo.checkpoint_integrity import patch_grpo_checkpoint_manager, skipped_damaged_through
-    from bapo_nemo.nemo.deadline import apply_job_deadline
-    from bapo_nemo.nemo.installed import async_settings, checkpointer_scope, save_state_value
-    from bapo_nemo.nemo.packing import install_packed_width_guard
-    from bapo_nemo.nemo.seams import WORKER_WATCH, SeamError
-    from bapo_nemo.nemo.step_signal import SignalMetricsTrainer, warn_on_zero_spread
-    from bapo_nemo.nemo.stop_signal import early_stop_reached, patch_grpo_timeout_checker
-    from bapo_nemo.nemo.token_versions import TokenVersions, needs_token_versions
-    from bapo_nemo.nemo.worker_watch import (
-        FailureReport,
-        RunFailure,
-        StepCounter,
-        WorkerWatch,
-        newest_checkpoint_text,
-        resumed_step,
-    )
-    from bapo_nemo.tracking.nemo_rl import after_setup, finish_nemo_tracking, prepare_logger_config
-
-    try:
-        config = load_config(args, overrides)
-    except ConfigLoadError as exc:  # a `defaults:` entry that does not exist: the line names the fix
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        off_path = check_before_start(config, args.skip_checks)
-    except SeamError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not bapo_enabled(config):
-        print("loss_fn.bapo is absent or disabled: training is plain GRPO (ClippedPGLossFn semantics)")
-
-    config = prepare_logger_config(config)  # MLflow on, sqlite/server URI, resumed run id
-    master_config = MasterConfig(**config)
-    master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
-    checkpointing = master_config.checkpointing["enabled"]
-    if checkpointing:
-        print(
-            f"checkpoints: {master_config.checkpointing['checkpoint_dir']} (resumes from its newest step_N)"
-        )
-    patch_grpo_timeout_checker(grpo_module)  # SIGUSR1 (Slurm's pre-timeout signal): checkpoint, then stop
-    patch_grpo_checkpoint_manager(grpo_module)  # resume from the newest intact checkpoint, never a damaged one
-
+    mc = run.master_config
     init_ray()  # forwards PYTHONPATH (which must reach bapo_nemo) to every worker
-    tokenizer = get_tokenizer(master_config.policy["tokenizer"])
-    megatron_cfg = master_config.policy.get("megatron_cfg") or {}
-    master_config.policy["generation"] = configure_generation_config(
-        master_config.policy["generation"],
-        tokenizer,
-        has_refit_draft_weights=bool(master_config.policy["draft"]["enabled"]),
+    run.tokenizer = get_tokenizer(mc.policy["tokenizer"])
+    megatron_cfg = mc.policy.get("megatron_cfg") or {}
+    mc.policy["generation"] = configure_generation_config(
+        mc.policy["generation"],
+        run.tokenizer,
+        has_refit_draft_weights=bool(mc.policy["draft"]["enabled"]),
         trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
     )
-    dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
-        tokenizer, master_config.data, master_config.env
+    dataset, val_dataset, run.task_to_env, run.val_task_to_env = setup_response_data(run.tokenizer, mc.data, mc.env)
+    install_layers(run, BEFORE_SETUP)
+    (run.policy, run.policy_generation, _nemo_gym, _cluster, run.dataloader, run.val_dataloader, run.setup_loss_fn,
+     run.logger, run.checkpointer, run.grpo_state, run.master_config, run.teacher_worker_groups,
+     run.alias_to_group_alias) = setup(mc, run.tokenizer, dataset, val_dataset)
+
+
+def attach(run: Run) -> None:
+    """BAPOLossFn in place of setup()'s ClippedPGLossFn (its only consumer is policy.train), then the layers."""
+    from bapo_nemo.nemo.deadline import apply_job_deadline
+    from bapo_nemo.nemo.worker_watch import StepCounter, resumed_step
+
+    run.loss_fn = make_loss_fn(run.master_config, run.setup_loss_fn, run.bapo)
+    run.resumed_step = resumed_step(run.grpo_state)  # the (intact) checkpoint setup() loaded, 0 for a fresh run
+    run.steps = StepCounter(run.resumed_step)
+    install_layers(run, AFTER_SETUP)
+    if run.partial_hook is not None:  # its policy version is the counter's; its state goes into checkpoints
+        run.partial_hook.attach(run.steps, run.checkpoint_hooks)
+    apply_job_deadline(run.master_config.checkpointing)  # from the job's real end, now that set-up is done
+
+
+def train(run: Run) -> None:
+    """grpo_train or async_grpo_train, watched: a lost worker or a full disk ends the run with one line."""
+    from bapo_nemo.nemo.installed import async_settings, checkpointer_scope
+    from bapo_nemo.nemo.seams import WORKER_WATCH
+    from bapo_nemo.nemo.worker_watch import FailureReport, RunFailure, WorkerWatch, newest_checkpoint_text
+
+    checkpointing = run.master_config.checkpointing
+    watched = {} if WORKER_WATCH in run.off_path else {
+        "policy worker": run.policy, "generation worker": run.policy_generation}
+    report = FailureReport(newest_checkpoint_text(checkpointing))
+    explainers = [disk_full_explainer(checkpointing, run.checkpointer)] if run.checkpointing else []
+    with (
+        WorkerWatch.over(watched, run.steps, report) as worker_watch,
+        RunFailure(worker_watch, explainers),
+        checkpointer_scope(run.checkpointer),  # main: flushes the background finalisation on the way out
+    ):
+        if async_settings(run.master_config) is not None:
+            run_async_loop(run)
+        else:
+            run_sync_loop(run)
+
+
+def run_sync_loop(run: Run) -> None:
+    from nemo_rl.algorithms.grpo import grpo_train
+
+    dataloader = run.dataloader
+    if run.partial_hook is not None:  # partial rollouts need more prompt groups in flight than one step trains on
+        dataloader = run.partial_hook.wrap_dataloader(dataloader)
+    grpo_train(run.policy, run.policy_generation, dataloader, run.val_dataloader, run.tokenizer, run.loss_fn,
+               run.task_to_env, run.val_task_to_env, run.logger, run.checkpointer, run.grpo_state,
+               run.master_config)
+
+
+def run_async_loop(run: Run) -> None:
+    from nemo_rl.algorithms.grpo import async_grpo_train
+
+    from bapo_nemo.nemo.installed import async_settings
+
+    refit_before_async_loop(run.policy, run.policy_generation, run.master_config)
+    async_grpo_train(
+        policy=run.policy, policy_generation=run.policy_generation, dataloader=run.dataloader,
+        val_dataloader=run.val_dataloader, tokenizer=run.tokenizer, loss_fn=run.loss_fn,
+        task_to_env=run.task_to_env, val_task_to_env=run.val_task_to_env, logger=run.logger,
+        checkpointer=run.checkpointer, grpo_save_state=run.grpo_state, master_config=run.master_config,
+        max_trajectory_age_steps=async_settings(run.master_config)["max_trajectory_age_steps"],
+        teacher_worker_groups=run.teacher_worker_groups, alias_to_group_alias=run.alias_to_group_alias,
     )
 
-    partial_hook = None
-    if get(config, "partial_rollouts") is not None:
-        from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
 
-        partial_hook = install_partial_rollouts(master_config)  # before setup(): it wraps grpo's rollout
-    token_versions = None
-    if needs_token_versions(config):  # in-flight weight updates: which policy produced each token
-        token_versions = TokenVersions(async_settings(master_config)["max_trajectory_age_steps"])
-        token_versions.install()  # before setup(): it picks the vLLM worker class and wraps grpo's refit
+def finish(run: Run) -> None:
+    """The last checks, then MLflow: what no checkpoint covers is sent now (a failed run leaves it journaled
+    for the next attempt); a run stopped to be requeued is KILLED until an attempt finishes it."""
+    from bapo_nemo.nemo.stop_signal import early_stop_reached
+    from bapo_nemo.tracking.nemo_rl import finish_nemo_tracking
 
-    (
-        policy,
-        policy_generation,
-        _nemo_gym,
-        _cluster,
-        dataloader,
-        val_dataloader,
-        setup_loss_fn,
-        logger,
-        checkpointer,
-        grpo_state,
-        master_config,
-        teacher_worker_groups,
-        alias_to_group_alias,
-    ) = setup(master_config, tokenizer, dataset, val_dataset)
-    # setup() built a ClippedPGLossFn from the same loss_fn section; its only consumer is policy.train.
-    loss_fn = make_loss_fn(master_config, setup_loss_fn)
-    # FP8 packing x fused loss (see packing.py), where the installed NeMo-RL overflows
-    install_packed_width_guard(policy, master_config.policy, needed=packed_width_guard_needed(off_path))
-    install_step_bounds(policy, loss_fn, master_config)
-    policy.train = SignalMetricsTrainer(policy.train)  # frac_reward_zero_std; rho only where defined
-    if token_versions is not None:
-        token_versions.attach(policy, policy_generation, save_state_value(grpo_state, "current_step"),
-                              master_config.logger["log_dir"])
-    hooks = None
-    if checkpointing:
-        hooks = attach_checkpoint_hooks(checkpointer, policy, tokenizer, master_config, partial_hook)
-    elif partial_hook is not None:
-        partial_hook.attach(policy)
-    resumed = resumed_step(grpo_state)  # the checkpoint setup() loaded (an intact one), 0 for a fresh run
-    tracker = after_setup(master_config.model_dump(), logger, resumed_step=resumed,
-                          logged_through=skipped_damaged_through(checkpointer))
-    warn_on_zero_spread(logger, lambda name, text: tracker.log_tags({name: text}))
-    apply_job_deadline(master_config.checkpointing)  # from the job's real end, now that set-up is done
+    if run.checkpoint_hooks is not None:
+        run.checkpoint_hooks.check()  # the last checkpoints, now finalised
+    if run.async_watch is not None:
+        run.async_watch.check(run.master_config)
+    finish_nemo_tracking(run.tracker, "KILLED" if early_stop_reached() else "FINISHED")
 
-    # A lost worker ends the run at once with one line (worker_watch.py); outermost, so that the line
-    # names the checkpoint main's background finalisation completed on the way out.
-    steps = StepCounter(resumed)
-    policy.train = steps.wrap(policy.train)
-    watched = {} if WORKER_WATCH in off_path else {
-        "policy worker": policy, "generation worker": policy_generation}
-    report = FailureReport(newest_checkpoint_text(master_config.checkpointing))
-    explainers = [disk_full_explainer(master_config.checkpointing, checkpointer)] if checkpointing else []
-    async_grpo = async_settings(master_config)
-    with (
-        WorkerWatch.over(watched, steps, report) as worker_watch,
-        RunFailure(worker_watch, explainers),
-        checkpointer_scope(checkpointer),  # main: flushes the background finalisation on the way out
-    ):
-        if async_grpo is not None:
-            from nemo_rl.algorithms.grpo import async_grpo_train
 
-            refit_before_async_loop(policy, policy_generation, master_config)
-            watch = AsyncLoopWatch(logger, save_state_value(grpo_state, "current_step"))
-            async_grpo_train(
-                policy=policy,
-                policy_generation=policy_generation,
-                dataloader=dataloader,
-                val_dataloader=val_dataloader,
-                tokenizer=tokenizer,
-                loss_fn=loss_fn,
-                task_to_env=task_to_env,
-                val_task_to_env=val_task_to_env,
-                logger=logger,
-                checkpointer=checkpointer,
-                grpo_save_state=grpo_state,
-                master_config=master_config,
-                max_trajectory_age_steps=async_grpo["max_trajectory_age_steps"],
-                teacher_worker_groups=teacher_worker_groups,
-                alias_to_group_alias=alias_to_group_alias,
-            )
-        else:
-            grpo_train(
-                policy,
-                policy_generation,
-                # Partial rollouts need more prompt groups in flight than one step trains on.
-                partial_hook.wrap_dataloader(dataloader) if partial_hook is not None else dataloader,
-                val_dataloader,
-                tokenizer,
-                loss_fn,
-                task_to_env,
-                val_task_to_env,
-                logger,
-                checkpointer,
-                grpo_state,
-                master_config,
-            )
-    if hooks is not None:
-        hooks.check()  # the last checkpoints, now finalised
-    if async_grpo is not None:
-        watch.check(master_config)
-    # What no checkpoint covers is sent now (a failed run leaves it journaled for the next attempt); a run
-    # stopped to be requeued is KILLED until an attempt finishes it, as the one-machine trainer marks it.
-    finish_nemo_tracking(tracker, "KILLED" if early_stop_reached() else "FINISHED")
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)  # --help works without NeMo-RL
+    try:
+        run = load_and_check(args, overrides)
+    except StartRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    install_layers(run, BEFORE_RAY)
+    set_up(run)
+    attach(run)
+    train(run)
+    finish(run)
     return 0
 
 

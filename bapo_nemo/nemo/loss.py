@@ -31,7 +31,7 @@ from bapo_nemo.nemo.loss_math import (
 from bapo_nemo.nemo.step_bounds import STEP_BOUNDS_KEYS
 
 
-def _as_config(cfg: Any) -> ClippedPGLossConfig:
+def loss_config(cfg: Any) -> ClippedPGLossConfig:
     return cfg if isinstance(cfg, ClippedPGLossConfig) else ClippedPGLossConfig(**dict(cfg))
 
 
@@ -73,13 +73,18 @@ class BAPOLossFn(ClippedPGLossFn):
     """ClippedPGLossFn whose clip bounds BAPO chooses per call (or per optimizer step)."""
 
     def __init__(
-        self, cfg: ClippedPGLossConfig | dict, dtensor_tp: int = 1, dtensor_cp: int = 1, **parent_kwargs: Any
+        self,
+        cfg: ClippedPGLossConfig | dict,
+        dtensor_tp: int = 1,
+        dtensor_cp: int = 1,
+        options: NemoBAPOOptions | None = None,
+        **parent_kwargs: Any,
     ):
-        """`parent_kwargs`: what the installed ClippedPGLossFn takes besides its config, as setup() gave it
+        """`options`: `bapo_options_from_loss_config(cfg)` where the caller parsed it already. `parent_kwargs`: what the installed ClippedPGLossFn takes besides its config, as setup() gave it
         (`installed.loss_fn_kwargs`; main's `use_fused_linear_logprobs`)."""
-        cfg = _as_config(cfg)
+        cfg = loss_config(cfg)
         super().__init__(cfg, **parent_kwargs)
-        self.options = bapo_options_from_loss_config(cfg)
+        self.options = options if options is not None else bapo_options_from_loss_config(cfg)
         if self.options.bapo.enabled and self.options.bapo.dual_clip is not None:
             self.ratio_clip_c = self.options.bapo.dual_clip
         # DTensor layout, to rebuild the data-parallel group (Megatron workers ignore it).
@@ -118,26 +123,7 @@ class BAPOLossFn(ClippedPGLossFn):
                 self.truncated_importance_sampling_ratio,
                 self.truncated_importance_sampling_ratio_min,
             )
-        if self.options.bapo.granularity == "step":
-            # Bounds chosen on the driver for the whole optimizer step (StepBoundsTrainer).
-            if not all(k in data for k in STEP_BOUNDS_KEYS):
-                raise ValueError(
-                    "loss_fn.bapo.granularity=step: this batch carries no step bounds. They are attached by "
-                    "bapo_nemo.nemo.step_bounds.StepBoundsTrainer around policy.train (python -m "
-                    "bapo_nemo.train installs it); or set loss_fn.bapo.granularity=microbatch"
-                )
-            from bapo_nemo.nemo.step_bounds import bounds_from_data
-
-            result = bounds_from_data(data)
-        else:
-            result = search_clip_bounds(
-                ratio,
-                advantages,
-                mask,
-                self.options.bapo,
-                all_reduce=data_parallel_all_reduce(self.dtensor_tp, self.dtensor_cp),
-                weights=weights,
-            )
+        result = self._bounds(data, ratio, advantages, mask, weights)
 
         # Set per call, restored after: the object stays configuration-only between calls.
         self.ratio_clip_min, self.ratio_clip_max = bounds_to_epsilons(result.c_low, result.c_high)
@@ -159,3 +145,24 @@ class BAPOLossFn(ClippedPGLossFn):
                 k3 = torch.exp(-log_gap) - 1 + log_gap
                 metrics[PREFIX + "behavior_kl"] = float((k3 * mask).sum() / float(global_valid_toks))
         return loss, metrics
+
+    def _bounds(self, data, ratio, advantages, mask, weights):
+        if self.options.bapo.granularity != "step":
+            return search_clip_bounds(
+                ratio,
+                advantages,
+                mask,
+                self.options.bapo,
+                all_reduce=data_parallel_all_reduce(self.dtensor_tp, self.dtensor_cp),
+                weights=weights,
+            )
+        # Bounds chosen on the driver for the whole optimizer step (StepBoundsTrainer).
+        if not all(k in data for k in STEP_BOUNDS_KEYS):
+            raise ValueError(
+                "loss_fn.bapo.granularity=step: this batch carries no step bounds. They are attached by "
+                "bapo_nemo.nemo.step_bounds.StepBoundsTrainer around policy.train (python -m "
+                "bapo_nemo.train installs it); or set loss_fn.bapo.granularity=microbatch"
+            )
+        from bapo_nemo.nemo.step_bounds import bounds_from_data
+
+        return bounds_from_data(data)

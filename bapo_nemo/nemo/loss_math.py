@@ -7,7 +7,7 @@
 - BAPO's metrics named and scaled so that NeMo-RL's aggregation yields the right per-step values
   (`nemo_step_metrics`).
 
-NeMo-RL v0.7.0 aggregation (policy worker `train()` + `grpo_train`), which `nemo_step_metrics` targets:
+NeMo-RL's aggregation (policy worker `train()` + `grpo_train`), which `nemo_step_metrics` targets:
 each micro-batch's metric x is divided by the number of optimizer steps in the train() call
 (`num_global_batches`) unless its name contains "_min" or "_max"; the lists from one worker per
 data-parallel rank are concatenated; grpo_train then takes np.sum over the list, except
@@ -19,7 +19,6 @@ value over the step. Our names never contain "_min"/"_max": such names would be 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -44,10 +43,6 @@ PREFIX = "bapo/"
 def bounds_to_epsilons(c_low: float, c_high: float) -> tuple[float, float]:
     """ClippedPGLossFn clips the ratio to [1 - ratio_clip_min, 1 + ratio_clip_max]: epsilons, not bounds."""
     return 1.0 - c_low, c_high - 1.0
-
-
-def epsilons_to_bounds(ratio_clip_min: float, ratio_clip_max: float) -> tuple[float, float]:
-    return 1.0 - ratio_clip_min, 1.0 + ratio_clip_max
 
 
 def reference_logprobs(data: Mapping[str, torch.Tensor], ratio_reference: str) -> torch.Tensor:
@@ -181,30 +176,3 @@ def nemo_step_metrics(
         }
     )
     return metrics
-
-
-def aggregate_like_nemo(per_rank_microbatch_metrics: list[list[list[dict[str, Any]]]]) -> dict[str, float]:
-    """NeMo-RL v0.7.0's aggregation of loss metrics, for tests and the step-bounds driver.
-
-    Input: [data-parallel rank][global batch][micro-batch] -> metric dict (as returned by the loss).
-    Worker: x / num_global_batches unless the name contains "_min"/"_max"; driver: np.sum over all,
-    except probs_ratio(_clamped)_min (min) and _max (max), ignoring infinities.
-    """
-    lists: dict[str, list[float]] = {}
-    for rank in per_rank_microbatch_metrics:
-        num_gb = len(rank)
-        for gb in rank:
-            for mb in gb:
-                for k, v in mb.items():
-                    scaled = v if ("_min" in k or "_max" in k) else v / num_gb
-                    lists.setdefault(k, []).append(scaled)
-    out = {}
-    for k, vs in lists.items():
-        finite = [v for v in vs if v not in (float("inf"), float("-inf"))]
-        if k in ("probs_ratio_min", "probs_ratio_clamped_min"):
-            out[k] = min(finite) if finite else -1.0
-        elif k in ("probs_ratio_max", "probs_ratio_clamped_max"):
-            out[k] = max(finite) if finite else -1.0
-        else:
-            out[k] = float(sum(vs))
-    return out

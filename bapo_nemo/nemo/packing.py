@@ -1,6 +1,5 @@
-"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL v0.7.0's Megatron path: widen the training batch
-(NeMo-RL main copies only the real tokens, #3182: the driver installs the guard only where the installed
-NeMo-RL still overflows, `installed.packed_loss_needs_full_width`).
+"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL's Megatron path: widen the training batch where the
+installed NeMo-RL's fused loss input overflows (`installed.packed_loss_needs_full_width` decides).
 
 With FP8, NeMo-RL pads each packed micro-batch to a multiple of the FP8 block times 2*CP (times TP with
 sequence parallel) by growing the bin's LAST sequence (`megatron/data.py`,

@@ -1,11 +1,12 @@
-"""Partial rollouts in NeMo-RL v0.7.0's synchronous GRPO loop (`grpo_train`).
+"""Partial rollouts in NeMo-RL's synchronous GRPO loop (`grpo_train`).
 
 How it plugs in (no fork): `install_partial_rollouts(master_config)` is called by the driver before
 `setup()`. It sets `policy.generation.max_new_tokens` to the per-iteration `token_budget` (the generation
 workers read it as vLLM's `max_tokens`) and replaces the module-level name
 `nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper. After `setup()` the driver calls
-`hook.attach(policy, checkpoint_hooks)`: `policy.train` then counts policy versions and every checkpoint gets a
-`partial_rollouts.json` with the in-flight segments (NeMo-RL issue #3594 is the upstream gap), and each
+`hook.attach(train_calls, checkpoint_hooks)`: the policy version follows the driver's count of `policy.train`
+calls and every checkpoint gets a
+`partial_rollouts.json` with the in-flight segments, and each
 segment iteration appends a line to `<checkpoint_dir>/partial_rollouts_ledger.jsonl`, from which a resume
 counts what an earlier attempt generated after its checkpoint (`bapo_nemo.rollout.ledger`).
 
@@ -97,7 +98,8 @@ class PartialRolloutHook:
         self.prefilled_batches = 0  # batches prefilled in the current (first) epoch
         self.stop_token_ids: list[int] = []  # policy.generation.stop_token_ids (EOS is added per call)
         self.manager = PartialRolloutManager(config, group_size)
-        self.policy_version = 0
+        self.train_calls: Any = None  # set by attach(): the driver's count of finished policy.train calls
+        self._version_base = 0  # the policy version at this process's first train call
         self.batches_seen = 0
         self.stop_strings: list[str] = []
         self._in_validation = False
@@ -105,6 +107,15 @@ class PartialRolloutHook:
         self.ledger: GenerationLedger | None = None  # with checkpoints: what each segment iteration generated
         self.resume_metrics: dict[str, float] = {}  # what a resume regenerates, logged with the first step
         self._restore: list[Callable[[], None]] = []
+
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates so far: the version restored from the checkpoint plus the trains since."""
+        return self._version_base + (self.train_calls.calls if self.train_calls is not None else 0)
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self._version_base = int(value) - (self.train_calls.calls if self.train_calls is not None else 0)
 
     # ---- the wrapped grpo names ------------------------------------------------------------------------
     def make_rollout_wrapper(self, original: Callable) -> Callable:
@@ -331,20 +342,15 @@ class PartialRolloutHook:
             exclude_stale_prefix(final_batch["message_log"][i], assistant_index, num_stale)
 
     # ---- versions and checkpoints -----------------------------------------------------------------------
-    def attach(self, policy: Any = None, checkpoints: CheckpointHooks | None = None) -> PartialRolloutHook:
-        """Count policy versions on `policy.train`; write the in-flight state into every checkpoint through
+    def attach(self, train_calls: Any = None, checkpoints: CheckpointHooks | None = None) -> PartialRolloutHook:
+        """Take the policy version from `train_calls` (the driver's `worker_watch.StepCounter`, which counts
+        the finished `policy.train` calls); write the in-flight state into every checkpoint through
         `checkpoints` (and restore it from the newest one); keep the generation ledger next to the
         checkpoints and count what this resume generates again."""
-        if policy is not None:
-            train = policy.train
-
-            def counted_train(*args, **kwargs):
-                result = train(*args, **kwargs)
-                self.policy_version += 1
-                return result
-
-            policy.train = counted_train
-            self._restore.append(lambda: setattr(policy, "train", train))
+        if train_calls is not None:
+            version = self.policy_version
+            self.train_calls = train_calls
+            self.policy_version = version
         if checkpoints is not None:
             self.checkpoints = checkpoints
             checkpoints.add(STATE_FILE, lambda tmp_dir: bool(self.save(tmp_dir)))
@@ -413,7 +419,7 @@ class PartialRolloutHook:
             raise ValueError(f"{path}: {exc}") from None
 
     def uninstall(self) -> None:
-        """Undo every patch (grpo module names, policy.train)."""
+        """Undo every patch (grpo module names, the generation config's max_new_tokens)."""
         while self._restore:
             self._restore.pop()()
 
@@ -444,25 +450,10 @@ def install_partial_rollouts(
     `partial_config` defaults to the config's `partial_rollouts:` block. Sets
     `policy.generation.max_new_tokens` to `token_budget` (the old value becomes the total response cap
     unless `max_response_tokens` is given) and wraps `grpo.run_multi_turn_rollout` and `grpo.validate`.
-    Then call `hook.attach(policy, checkpoint_hooks)` after setup. Raises PartialRolloutSetupError listing
+    Then call `hook.attach(train_calls, checkpoint_hooks)` after setup. Raises PartialRolloutSetupError listing
     every incompatible setting.
     """
-    if partial_config is None:
-        partial_config = _get(master_config, "partial_rollouts")
-        if partial_config is None:
-            raise PartialRolloutSetupError(
-                "no partial_rollouts: block in the config (e.g. partial_rollouts: {token_budget: 2048})"
-            )
-    prefill_batches = 1
-    if not isinstance(partial_config, PartialRolloutConfig):
-        block = dict(partial_config)
-        prefill_batches = block.pop("prefill_batches", 1)
-        if not isinstance(prefill_batches, int) or prefill_batches < 0:
-            raise PartialRolloutSetupError(
-                f"partial_rollouts.prefill_batches must be an int >= 0 (extra dataloader batches in flight), "
-                f"got {prefill_batches!r}"
-            )
-        partial_config = PartialRolloutConfig.parse(block)
+    partial_config, prefill_batches = _partial_config(master_config, partial_config)
     problems = check_partial_rollout_config(master_config, partial_config)
     if problems:
         raise PartialRolloutSetupError(
@@ -491,17 +482,44 @@ def install_partial_rollouts(
     hook.stop_token_ids = [int(t) for t in generation.get("stop_token_ids") or []]
     hook._restore.append(lambda: generation.__setitem__("max_new_tokens", original_max_new))
     if patch_grpo:
-        import nemo_rl.algorithms.grpo as grpo_module
-
-        for name, make in (
-            ("run_multi_turn_rollout", hook.make_rollout_wrapper),
-            ("validate", hook.make_validate_wrapper),
-        ):
-            original = getattr(grpo_module, name)
-            # A previous installation in this process (a second driver run) is replaced, not wrapped:
-            # wrapping it would run two hooks on one batch.
-            while getattr(original, "_partial_rollout_hook", False):
-                original = original.__wrapped__
-            setattr(grpo_module, name, make(original))
-            hook._restore.append(lambda name=name, original=original: setattr(grpo_module, name, original))
+        _replace_grpo_names(hook)
     return hook
+
+
+def _partial_config(
+    master_config: Any, partial_config: PartialRolloutConfig | Mapping | None
+) -> tuple[PartialRolloutConfig, int]:
+    """The `partial_rollouts:` block (or `partial_config`) parsed, and its `prefill_batches`."""
+    if partial_config is None:
+        partial_config = _get(master_config, "partial_rollouts")
+        if partial_config is None:
+            raise PartialRolloutSetupError(
+                "no partial_rollouts: block in the config (e.g. partial_rollouts: {token_budget: 2048})"
+            )
+    if isinstance(partial_config, PartialRolloutConfig):
+        return partial_config, 1
+    block = dict(partial_config)
+    prefill_batches = block.pop("prefill_batches", 1)
+    if not isinstance(prefill_batches, int) or prefill_batches < 0:
+        raise PartialRolloutSetupError(
+            f"partial_rollouts.prefill_batches must be an int >= 0 (extra dataloader batches in flight), "
+            f"got {prefill_batches!r}"
+        )
+    return PartialRolloutConfig.parse(block), prefill_batches
+
+
+def _replace_grpo_names(hook: PartialRolloutHook) -> None:
+    """`grpo.run_multi_turn_rollout` and `grpo.validate` through the hook (undone by `hook.uninstall`)."""
+    import nemo_rl.algorithms.grpo as grpo_module
+
+    for name, make in (
+        ("run_multi_turn_rollout", hook.make_rollout_wrapper),
+        ("validate", hook.make_validate_wrapper),
+    ):
+        original = getattr(grpo_module, name)
+        # A previous installation in this process (a second driver run) is replaced, not wrapped:
+        # wrapping it would run two hooks on one batch.
+        while getattr(original, "_partial_rollout_hook", False):
+            original = original.__wrapped__
+        setattr(grpo_module, name, make(original))
+        hook._restore.append(lambda name=name, original=original: setattr(grpo_module, name, original))

@@ -7,10 +7,10 @@ seam this config needs is off the call path: a wrapped method upstream no longer
 no longer looks up as a global, a return shape that changed. What can only be known later (a checkpoint
 finalised by a path our hook does not see) is checked by `checkpoint_hooks.CheckpointHooks.check` at the
 first moment the hook must have fired.
+Each seam that a layer of the driver touches names it (`layers`, the names of `layers.LAYERS`).
 
-Why static checks: on NeMo-RL main, checkpoints are finalised through `begin_finalization`, not
-`finalize_checkpoint`, and our wrappers of the latter silently stopped running. A seam that upstream stops
-calling must stop the run before it starts, never lose data in silence.
+Why static checks: a wrapper upstream stops calling loses data in silence; it must stop the run before
+it starts instead.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class Seam:
     feature: str | None = None  # the config feature that needs this seam (None: every run)
     fallback: str | None = None  # off the call path, the run goes on this way (said as a warning): no refusal
     applies: Callable[[Mapping], bool] = field(default=_always, compare=False)
+    layers: tuple[str, ...] = ()  # the entries of layers.LAYERS that touch `target` (none: not a layer)
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -144,6 +145,7 @@ SEAMS: tuple[Seam, ...] = (
             Site(GRPO, "async_grpo_train", "TimeoutChecker", global_name=True, loop="async"),
             Site(GRPO, "async_grpo_train", "timeout.check_save", loop="async"),
         ),
+        layers=("stop signal",),
     ),
     Seam(
         f"{GRPO}:run_multi_turn_rollout",
@@ -156,6 +158,7 @@ SEAMS: tuple[Seam, ...] = (
         ),
         feature="partial_rollouts",
         applies=_partial,
+        layers=("partial rollouts",),
     ),
     Seam(
         f"{GRPO}:validate",
@@ -165,6 +168,7 @@ SEAMS: tuple[Seam, ...] = (
         (Site(GRPO, "grpo_train", "validate", global_name=True, loop="sync"),),
         feature="partial_rollouts",
         applies=_partial,
+        layers=("partial rollouts",),
     ),
     Seam(
         f"{GRPO}:CheckpointManager",
@@ -178,6 +182,7 @@ SEAMS: tuple[Seam, ...] = (
         ),
         feature="checkpointing",
         applies=_checkpointing,
+        layers=("intact checkpoints",),
     ),
     Seam(
         f"{CHECKPOINT}:CheckpointManager.init_tmp_checkpoint",
@@ -193,9 +198,10 @@ SEAMS: tuple[Seam, ...] = (
         "(CheckpointHooks.check: at the next rollout, the next policy.train and the loop's end)",
         feature="checkpointing",
         applies=_checkpointing,
+        layers=("checkpoint files",),
     ),
     Seam(
-        "nemo_rl.models.policy.lm_policy:Policy.train",
+        f"{LM_POLICY}:Policy.train",
         "instance method wrapped",
         "nemo/step_bounds.py, packing.py, step_signal.py, partial_rollout.py, checkpoint_hooks.py, "
         "token_versions.py",
@@ -205,6 +211,8 @@ SEAMS: tuple[Seam, ...] = (
             Site(GRPO, "grpo_train", "policy.train", loop="sync"),
             Site(GRPO, "async_grpo_train", "policy.train", loop="async"),
         ),
+        layers=("packed width guard", "step bounds", "signal metrics", "token ages", "checkpoint watch",
+                "train counter"),
     ),
     Seam(
         f"{VLLM_GENERATION}:resolve_generation_worker_cls",
@@ -217,6 +225,7 @@ SEAMS: tuple[Seam, ...] = (
         "train step (TokenVersions.collect), else the run stops",
         feature="grpo.async_grpo.in_flight_weight_updates",
         applies=_in_flight_updates,
+        layers=("token versions",),
     ),
     Seam(
         f"{VLLM_ASYNC_WORKER}:VllmAsyncGenerationWorkerImpl.generate_async",
@@ -239,16 +248,18 @@ SEAMS: tuple[Seam, ...] = (
         runtime="with in-flight updates, as above",
         feature="grpo.async_grpo",
         applies=_async,
+        layers=("token versions",),
     ),
     Seam(
         f"{LOGGER}:Logger.log_metrics",
         "instance method wrapped",
-        "nemo/driver.py record_finished_steps, nemo/step_signal.py warn_on_zero_spread",
+        "nemo/async_end.py AsyncLoopWatch, nemo/step_signal.py warn_on_zero_spread",
         "the async loop's finished steps (its last log of a step says step_finished=True); the zero-spread watch",
         (
             Site(GRPO, "grpo_train", "logger.log_metrics", loop="sync"),
             Site(GRPO, "async_grpo_train", "logger.log_metrics", keyword="step_finished", loop="async"),
         ),
+        layers=("zero-spread watch", "async loop watch"),
     ),
     Seam(
         f"{LOGGER}:MLflowLogger.log_hyperparams",
@@ -260,6 +271,7 @@ SEAMS: tuple[Seam, ...] = (
             Site(GRPO, "setup", "logger.log_hyperparams"),
             Site(LOGGER, "MLflowLogger.log_hyperparams", "flatten_dict"),
         ),
+        layers=("mlflow tracking",),
     ),
     Seam(
         f"{LOGGER}:MLflowLogger.log_metrics",
@@ -272,6 +284,7 @@ SEAMS: tuple[Seam, ...] = (
             Site(LOGGER, "MLflowLogger.log_metrics", "flatten_dict"),
             Site(LOGGER, "MLflowLogger.log_metrics", "_summarize_list"),
         ),
+        layers=("mlflow tracking",),
     ),
     Seam(
         WORKER_WATCH,
@@ -429,10 +442,6 @@ def seam_report(config: Mapping) -> tuple[list[str], dict[str, str]]:
             f"bapo_nemo/{seam.ours}): {'; '.join(broken)}. {todo.capitalize()} a tested NeMo-RL: {TESTED_NEMO_RL}"
         )
     return problems, fallbacks
-
-
-def seam_problems(config: Mapping) -> list[str]:
-    return seam_report(config)[0]
 
 
 def verify_seams(config: Mapping) -> set[str]:

@@ -1,4 +1,4 @@
-"""NeMo-RL v0.7.0's data shapes for partial rollouts, as plain functions on dicts and tensors (no NeMo-RL
+"""NeMo-RL's data shapes for partial rollouts, as plain functions on dicts and tensors (no NeMo-RL
 import): dataloader rows as JSON (they are checkpointed with the in-flight segments), segment contexts as
 `GenerationDatumSpec` inputs, `GenerationOutputSpec` outputs as segments, finished responses replayed as
 one generation call, and the stale prefix of a response split off for `stale_segments: exclude`.

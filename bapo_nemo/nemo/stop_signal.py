@@ -1,11 +1,9 @@
-"""Checkpoint-and-stop on a signal for NeMo-RL v0.7.0's grpo_train.
+"""Checkpoint-and-stop on SIGUSR1 (Slurm's `--signal=B:USR1@...`) in NeMo-RL's GRPO loops.
 
-v0.7.0 has no signal handler; its only early stop is `TimeoutChecker.check_save()` (armed by
-`checkpointing.checkpoint_must_save_by`), which grpo_train asks once per step: on True it saves a
-checkpoint, prints "Timeout has been reached, stopping training early" and returns. We make that check
-also answer True once SIGUSR1 (Slurm's `--signal=B:USR1@...`) has arrived, so a job can checkpoint on
-demand instead of relying on an estimate of the time left. grpo_train imports the class by name, so the
-driver replaces `nemo_rl.algorithms.grpo.TimeoutChecker` with the subclass built here.
+The loops' only early stop is `TimeoutChecker.check_save()`, asked once per step: on True they save a
+checkpoint and return. The subclass built here also answers True once the signal has arrived, so a job
+checkpoints on demand instead of on an estimate of the time left; the driver puts it in place of
+`nemo_rl.algorithms.grpo.TimeoutChecker`, which the loops look up by name (layers.py).
 """
 
 from __future__ import annotations
@@ -15,10 +13,6 @@ import threading
 
 _requested = threading.Event()
 _early_stop = threading.Event()  # check_save() said "save and stop" (signal or timeout) in this process
-
-
-def stop_requested() -> bool:
-    return _requested.is_set()
 
 
 def early_stop_reached() -> bool:

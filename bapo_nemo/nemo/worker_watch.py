@@ -59,19 +59,24 @@ def group_workers(kind: str, owner: Any) -> list[Worker]:
 
 
 class StepCounter:
-    """The step a run is in: the step of the checkpoint it resumed from plus the `policy.train` calls
-    finished since (one per GRPO step, sync and async)."""
+    """The one count of finished `policy.train` calls (one per GRPO step, sync and async), shared by whoever
+    needs it: the step a run is in is the step of the checkpoint it resumed from plus those calls."""
 
     def __init__(self, resumed_step: int):
-        self.done = int(resumed_step)
+        self.resumed = int(resumed_step)
+        self.calls = 0  # finished in this process
 
     def wrap(self, train: Callable) -> Callable:
         def counted_train(*args, **kwargs):
             result = train(*args, **kwargs)
-            self.done += 1
+            self.calls += 1
             return result
 
         return counted_train
+
+    @property
+    def done(self) -> int:
+        return self.resumed + self.calls
 
     @property
     def current(self) -> int:

@@ -142,7 +142,7 @@ def test_loss_fn_pickles_and_micro_batches_add_up():
     import pickle
 
     from bapo_nemo.nemo.loss import BAPOLossFn
-    from bapo_nemo.nemo.loss_math import aggregate_like_nemo
+    from tests.support.nemo_metrics import aggregate_like_nemo
 
     data, curr, seqs, toks = _batch(3)
     fn = pickle.loads(pickle.dumps(BAPOLossFn(_loss_cfg(bapo={"ratio_reference": "behavior"}))))
@@ -192,12 +192,13 @@ def test_step_granularity_bounds_travel_in_the_batch():
 
 
 def test_driver_builds_the_loss_from_master_config_sections():
-    """The driver's make_loss_fn / install_step_bounds on a MasterConfig-shaped object (sections as v0.7.0
-    gives them: policy a dict, loss_fn a ClippedPGLossConfig); the policy is a stand-in for NeMo-RL's
+    """The driver's make_loss_fn and its step-bounds layer on a MasterConfig-shaped object (sections as
+    v0.7.0 gives them: policy a dict, loss_fn a ClippedPGLossConfig); the policy is a stand-in for NeMo-RL's
     Ray-backed Policy, which needs GPUs."""
     from types import SimpleNamespace
 
-    from bapo_nemo.nemo.driver import install_step_bounds, make_loss_fn
+    from bapo_nemo.nemo.driver import make_loss_fn
+    from bapo_nemo.nemo.layers import AFTER_SETUP, Run, install_layers, layer
     from bapo_nemo.nemo.step_bounds import StepBoundsTrainer
 
     policy_cfg = {
@@ -211,15 +212,19 @@ def test_driver_builds_the_loss_from_master_config_sections():
     )
     fn = make_loss_fn(mc)
     assert (fn.dtensor_tp, fn.dtensor_cp) == (2, 2)
-    policy = SimpleNamespace(train=lambda *a, **k: None)
-    install_step_bounds(policy, fn, mc)
-    assert isinstance(policy.train, StepBoundsTrainer) and policy.train.global_batch_size == 64
+
+    def with_step_bounds(loss_fn):
+        policy = SimpleNamespace(train=lambda *a, **k: None)
+        run = Run(config={}, bapo=loss_fn.options, off_path=set(), master_config=mc, policy=policy)
+        installed = install_layers(run, AFTER_SETUP, layers=(layer("step bounds"),))
+        return policy, installed
+
+    policy, installed = with_step_bounds(fn)
+    assert installed == ["step bounds"] and isinstance(policy.train, StepBoundsTrainer)
+    assert policy.train.global_batch_size == 64
     assert policy.train.group_size == 16  # step_bounds_sample samples whole prompt groups
-    micro = SimpleNamespace(train=lambda *a, **k: None)
-    install_step_bounds(
-        micro, make_loss_fn(SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={}))), mc
-    )
-    assert not isinstance(micro.train, StepBoundsTrainer)
+    micro, installed = with_step_bounds(make_loss_fn(SimpleNamespace(policy=policy_cfg, loss_fn=_loss_cfg(bapo={}))))
+    assert installed == [] and not isinstance(micro.train, StepBoundsTrainer)
 
 
 def test_step_granularity_without_driver_bounds_is_refused():

@@ -16,6 +16,7 @@ import torch
 from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
 from bapo_nemo.nemo.partial_rollout import STATE_FILE, install_partial_rollouts
 from bapo_nemo.nemo.segment_io import PartialRolloutSetupError
+from bapo_nemo.nemo.worker_watch import StepCounter
 from tests.support.nemo_rollout_pieces import (
     CHECKPOINTING,
     PAD,
@@ -91,8 +92,9 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
             def train(self, data, loss_fn, timer=None):
                 return {}
 
-        policy = TrainOnly()
-        hook.attach(policy, CheckpointHooks(checkpointer).install())
+        policy, train_calls = TrainOnly(), StepCounter(resumed_step=0)
+        policy.train = train_calls.wrap(policy.train)  # the driver's one count of train calls
+        hook.attach(train_calls, CheckpointHooks(checkpointer).install())
         backend = ToyGenerationBackend(
             ToyPolicy(seed=4, vocab_size=6, eos_logit_bias=-2.0), max_new_tokens=4, wrap=BatchedDataDict
         )
@@ -153,7 +155,7 @@ def test_real_grpo_rollout_path_with_checkpoints(ray_cluster, tmp_path):
     resumed = install_partial_rollouts(master_config(partial_rollouts__stale_segments="exclude"))
     try:
         resumed.attach(
-            TrainOnly(), CheckpointHooks(CheckpointManager({"checkpoint_dir": str(tmp_path), **CHECKPOINTING}))
+            StepCounter(resumed_step=3), CheckpointHooks(CheckpointManager({"checkpoint_dir": str(tmp_path), **CHECKPOINTING}))
         )
         assert resumed.policy_version == 3
         assert resumed.manager.state_dict() == saved["manager"] | {

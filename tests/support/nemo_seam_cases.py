@@ -172,7 +172,8 @@ def decision_without_refusal(argv: list[str], tree: Path) -> dict:
     import argparse
 
     from bapo_nemo.nemo import seams
-    from bapo_nemo.nemo.driver import load_config, packed_width_guard_needed
+    from bapo_nemo.nemo.driver import load_config
+    from bapo_nemo.nemo.layers import packed_width_guard_needed
 
     import_nemo_rl_from(tree)
     err = io.StringIO()
@@ -186,9 +187,9 @@ def seam_problems_of(argv: list[str]) -> list[str]:
     import argparse
 
     from bapo_nemo.nemo.driver import load_config
-    from bapo_nemo.nemo.seams import seam_problems
+    from bapo_nemo.nemo.seams import seam_report
 
-    return seam_problems(load_config(argparse.Namespace(config=argv[1]), argv[2:]))
+    return seam_report(load_config(argparse.Namespace(config=argv[1]), argv[2:]))[0]
 
 
 def main(out_path: str, workdir: str) -> None:

@@ -35,7 +35,6 @@ def test_sigusr1_triggers_exactly_one_save(fresh_signal_state):
     assert checker.check_save() is False  # no deadline, no signal
     os.kill(os.getpid(), signal.SIGUSR1)  # the process survives: the handler replaced the default action
     time.sleep(0.05)
-    assert stop_signal.stop_requested()
     assert checker.check_save() is True
     assert checker.check_save() is False  # grpo_train returns after the save; a second ask says no
 
