@@ -36,11 +36,17 @@ import json
 import time
 from pathlib import Path
 
-from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting
 from bapo_nemo.plan.rules.cluster_plan import plan_cluster
 from bapo_nemo.plan.rules.config_io import get, load_nemo_config
+from bapo_nemo.plan.rules.models import BUILTIN
+from bapo_nemo.plan.simulation.async_generation import REPLAY_BYTES_PER_TOKEN, AsyncSetting
 from bapo_nemo.plan.simulation.generation import response_moments, simulate_partial, simulate_without_partial
-from bapo_nemo.plan.simulation.generation_check import budget_grid, covering, partial_setting, rollout_shape_for
+from bapo_nemo.plan.simulation.generation_check import (
+    budget_grid,
+    covering,
+    partial_setting,
+    rollout_shape_for,
+)
 from bapo_nemo.plan.simulation.mode_compare import (
     ASYNC_MODES,
     MAX_MEAN_STALENESS,
@@ -49,7 +55,6 @@ from bapo_nemo.plan.simulation.mode_compare import (
     compare_modes,
     preset_overrides,
 )
-from bapo_nemo.plan.rules.models import BUILTIN
 from bapo_nemo.plan.simulation.search_stats import DEFAULT_PROMPT_TOKENS, LengthModel
 from bapo_nemo.plan.simulation.step_plan import plan_step
 from bapo_nemo.plan.simulation.step_time import estimate_step_time, shape_from_config

@@ -16,8 +16,8 @@ from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.rules.cluster_plan import plan_cluster
 from bapo_nemo.plan.rules.config_io import load_nemo_config
 from bapo_nemo.plan.rules.memory import estimate
-from bapo_nemo.plan.simulation.mode_compare import ModeComparison, ModeResult, async_splits, async_warnings
 from bapo_nemo.plan.rules.models import BUILTIN
+from bapo_nemo.plan.simulation.mode_compare import ModeComparison, ModeResult, async_splits, async_warnings
 from tests.support.presets import ASYNC_32B
 
 ROOT = Path(__file__).resolve().parents[2]

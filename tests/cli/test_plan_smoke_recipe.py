@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bapo_nemo.plan.rules.gpus import GPUS
 from bapo_nemo.plan.precompute import SMOKE_32B
+from bapo_nemo.plan.rules.gpus import GPUS
 from bapo_nemo.plan.simulation.run_cost import saves, validations
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S

@@ -11,11 +11,11 @@ import random
 import pytest
 import yaml
 
+from bapo_nemo.plan.rules.models import BUILTIN
 from bapo_nemo.plan.simulation.async_generation import AsyncSetting, simulate_async, transfer_seconds
 from bapo_nemo.plan.simulation.engine_sim import Engine, Request, engine_for, run_engine
 from bapo_nemo.plan.simulation.generation import RolloutShape, response_moments
 from bapo_nemo.plan.simulation.live_engine import LiveEngine, LiveRequest
-from bapo_nemo.plan.rules.models import BUILTIN
 from bapo_nemo.plan.simulation.search_stats import LengthModel
 from bapo_nemo.plan.simulation.step_time import TrainCost, shape_from_config, train_cost
 

@@ -15,8 +15,12 @@ import pytest
 
 from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.check_cli import configure_parser, run_check
-from bapo_nemo.plan.simulation.generation_check import DRIVER_BYTES_PER_TOKEN, STATE_JSON_BYTES_PER_TOKEN, budget_grid
 from bapo_nemo.plan.rules.signal_lead import signal_line
+from bapo_nemo.plan.simulation.generation_check import (
+    DRIVER_BYTES_PER_TOKEN,
+    STATE_JSON_BYTES_PER_TOKEN,
+    budget_grid,
+)
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 from tests.support.presets import QWEN3_32B_RECIPE
 

@@ -13,11 +13,11 @@ import yaml
 
 from bapo_nemo.cli import main as cli_main
 from bapo_nemo.plan.rules.config_io import load_nemo_config
+from bapo_nemo.plan.rules.models import BUILTIN, ModelShape
+from bapo_nemo.plan.rules.signal_lead import lead_warning, shipped_sbatch, signal_line
 from bapo_nemo.plan.simulation.engine_sim import engine_for
 from bapo_nemo.plan.simulation.generation import RolloutShape, response_moments, simulate_without_partial
-from bapo_nemo.plan.rules.models import BUILTIN, ModelShape
 from bapo_nemo.plan.simulation.search_stats import LengthModel
-from bapo_nemo.plan.rules.signal_lead import lead_warning, shipped_sbatch, signal_line
 from bapo_nemo.plan.simulation.step_time import (
     GPU_PEAK_BF16_FLOPS,
     TRAIN_MFU,
