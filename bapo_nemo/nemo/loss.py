@@ -38,7 +38,9 @@ def loss_config(cfg: Any) -> ClippedPGLossConfig:
 def bapo_options_from_loss_config(cfg: ClippedPGLossConfig) -> NemoBAPOOptions:
     """Validate `loss_fn.bapo` against the rest of `loss_fn` (errors name the keys and the fix)."""
     extra = cfg.model_extra or {}
-    options = NemoBAPOOptions.parse(extra.get("bapo"), where="loss_fn.bapo")
+    # No block is plain GRPO, as `check` and the driver's start-up line say, not BAPO at its defaults.
+    block = extra.get("bapo", {"enabled": False})
+    options = NemoBAPOOptions.parse(block, where="loss_fn.bapo")
     if not options.bapo.enabled:
         return options
     problems = []

@@ -62,15 +62,17 @@ def _run(fn, curr, data, seqs, toks):
     return loss.detach(), c.grad, metrics
 
 
-def test_disabled_is_exactly_clipped_pg_loss():
-    """bapo.enabled=false: loss, gradient and every metric equal the parent's (same loss_fn config)."""
+@pytest.mark.parametrize("bapo_block", [{"bapo": {"enabled": False}}, {}], ids=["disabled", "absent"])
+def test_disabled_or_absent_is_exactly_clipped_pg_loss(bapo_block):
+    """bapo.enabled=false, or no loss_fn.bapo block (what the driver announces as plain GRPO): loss, gradient
+    and every metric equal the parent's (same loss_fn config)."""
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossFn
 
     from bapo_nemo.nemo.loss import BAPOLossFn
 
     data, curr, seqs, toks = _batch()
     ref = _run(ClippedPGLossFn(_loss_cfg()), curr, data, seqs, toks)
-    ours = _run(BAPOLossFn(_loss_cfg(bapo={"enabled": False})), curr, data, seqs, toks)
+    ours = _run(BAPOLossFn(_loss_cfg(**bapo_block)), curr, data, seqs, toks)
     assert torch.equal(ref[0], ours[0])
     assert torch.equal(ref[1], ours[1])
     assert ref[2] == ours[2]
