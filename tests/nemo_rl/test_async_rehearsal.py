@@ -46,7 +46,7 @@ from tests.support.nemo_rehearsal import (
     weights_of,
 )
 
-pytestmark = pytest.mark.timeout(2700)  # with the wait for a rehearsal slot
+pytestmark = pytest.mark.timeout(4800)  # with the wait for the rehearsal slot (the other rehearsals of both trees)
 RUN_GUARD_S = 1200
 
 PRESET = REPO / "configs" / "bapo_32b.yaml"

@@ -35,7 +35,7 @@ from tests.support.nemo_rehearsal import (
     sized_overrides,
 )
 
-pytestmark = pytest.mark.timeout(2700)  # with the wait for the rehearsal slots
+pytestmark = pytest.mark.timeout(4800)  # with the wait for the rehearsal slot (the other rehearsals of both trees)
 RUN_GUARD_S = 2400
 
 PRESET = REPO / "configs" / "bapo_32b_64k.yaml"  # its partial rollouts are state a checkpoint must keep

@@ -58,7 +58,7 @@ from tests.support.nemo_rehearsal import (
 # at the peak, so never beside a second copy). The module fixture's work is fixed (one driver run, 16 Ray
 # workers started) and its wall time follows the machine's load; the limits here are for hangs only, the
 # driver process's below pytest-timeout's so that a hang fails with the driver's log.
-pytestmark = pytest.mark.timeout(2700)  # with the wait for the rehearsal slots
+pytestmark = pytest.mark.timeout(4800)  # with the wait for the rehearsal slot (the other rehearsals of both trees)
 RUN_GUARD_S = 2400
 
 # bapo_32b.yaml's 64k variant: bapo_32b.yaml with every block it ships (Megatron, packing with fuse_loss,

@@ -103,17 +103,17 @@ def async_checkpoint_saves() -> bool:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
-# The NeMo-RL tiers of several trees run at once (tests/suite.sh). Two rehearsals fit the machine's memory
-# side by side, the Megatron one (17 Ray actors, ~9 GB) only alone: a rehearsal takes one of two slots,
-# machine-wide, the Megatron one both.
-REHEARSAL_SLOTS = [Path(tempfile.gettempdir()) / f"bapo-nemo-rehearsal-slot-{i}.lock" for i in range(2)]
+# The NeMo-RL tiers of several trees run at once (tests/suite.sh), beside the package's tiers. Two rehearsals
+# side by side (an async one is ~7 GB of Ray actors, the Megatron one ~9 GB) ran a 24 GB machine into Ray's
+# memory monitor, which killed their workers: one rehearsal at a time, machine-wide.
+REHEARSAL_SLOTS = [Path(tempfile.gettempdir()) / f"bapo-nemo-rehearsal-slot-{i}.lock" for i in range(1)]
 
 
 @contextmanager
 def rehearsal_slots(count: int):
-    """Hold `count` (1 or 2) of the machine's rehearsal slots while the block runs."""
+    """Hold `count` of the machine's rehearsal slots (all of them when it asks for more) while the block runs."""
     with ExitStack() as held:
-        if count == len(REHEARSAL_SLOTS):
+        if count >= len(REHEARSAL_SLOTS):
             for path in REHEARSAL_SLOTS:  # always in this order: two takers of both never deadlock
                 held.enter_context(FileLock(str(path)))
         else:
