@@ -43,6 +43,10 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# - Ray's memory monitor kills a worker once 95% of the machine's memory is in use, whoever uses it: on a
+#   24 GB CI machine running the tiers at once, the other tests' processes included, that is a lost
+#   rehearsal, not a protection of the cluster.
+os.environ.setdefault("RAY_memory_usage_threshold", "0.99")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `bapo-nemo check`'s kept simulations (bapo_nemo/plan/simulation/sim_cache.py): one directory for every worker and
 # run of the suite, not the developer's ~/.cache. A result is keyed by its code, so reuse is safe.

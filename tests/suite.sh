@@ -23,9 +23,10 @@ cd "$(dirname "$0")/.." || exit 1
 trees=${NEMO_RL_SRCS:-${NEMO_RL_SRC:-}}
 IFS=: read -r -a tree_list <<< "$trees"
 python_tiers=(tests/unit tests/cli tests/slurm)
-# pytest workers per NeMo-RL tier: each holds NeMo-RL, torch and megatron-core (~1 GB), beside the other
-# parts' workers and the rehearsals' Ray actors on one machine.
-TIER_WORKERS=${TIER_WORKERS:-2}
+# pytest workers per NeMo-RL tier: each holds NeMo-RL, torch and megatron-core (~1 GB) and starts a Ray
+# cluster of ~1 GB actors for its e2e tests and rehearsals; two per tree, with both trees and the package's
+# tiers at once, filled a 24 GB machine to Ray's memory monitor (95%), which killed rehearsal workers.
+TIER_WORKERS=${TIER_WORKERS:-1}
 
 find_python313() {
   local candidate

@@ -74,9 +74,9 @@ def test_every_tree_gets_the_nemo_rl_tier_in_its_own_environment_beside_the_pyth
     v070 = [line for line in lines if "v070" in line]
     main = [line for line in lines if "main" in line]
     assert v070 == ["venv /trees/v070 .venv-nemo-rl/v070 python3.13-fake",
-                    "venv-pytest .venv-nemo-rl/v070/bin/pytest NEMO_RL_SRC=/trees/v070 tests/nemo_rl -n 2 -x"]
+                    "venv-pytest .venv-nemo-rl/v070/bin/pytest NEMO_RL_SRC=/trees/v070 tests/nemo_rl -n 1 -x"]
     assert main == ["venv /trees/main .venv-nemo-rl/main python3.13-fake",
-                    "venv-pytest .venv-nemo-rl/main/bin/pytest NEMO_RL_SRC=/trees/main tests/nemo_rl -n 2 -x"]
+                    "venv-pytest .venv-nemo-rl/main/bin/pytest NEMO_RL_SRC=/trees/main tests/nemo_rl -n 1 -x"]
     assert lines.index(v070[0]) < lines.index(main[0])
     # each part's log printed whole, in a fixed order, then one line per part
     out = done.stdout
