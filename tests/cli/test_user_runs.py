@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import cli_process
+from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.ports import free_port
 from tests.support.tiny_run import bapo_nemo, copy_run, tree_digest, with_, write_config
 
@@ -101,7 +102,7 @@ def mlflow_server(tmp_path):
              str(root / "artifacts")],
             cwd=root, stdout=subprocess.DEVNULL, stderr=server_log, env=cli_process.cli_env(), start_new_session=True)
         try:
-            deadline = time.time() + 180
+            deadline = time.time() + HANG_GUARD_S  # a hang guard: under the whole suite a start took over 180 s
             while True:  # serving: its first answer also creates its store
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
@@ -183,7 +184,7 @@ def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(t
         os.execve(sys.executable, [sys.executable, "-m", "bapo_nemo.cli", "train", str(cfg), "--output-dir", "out"],
                   cli_process.cli_env())
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + HANG_GUARD_S
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert time.time() < deadline, "the run did not reach step 1"
             if select.select([terminal], [], [], 0.2)[0]:
@@ -192,7 +193,7 @@ def test_closing_the_terminal_stops_with_a_checkpoint_and_marks_the_run_killed(t
                 except OSError:
                     break
         os.close(terminal)  # the terminal window closes
-        deadline = time.time() + 300
+        deadline = time.time() + HANG_GUARD_S
         while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
             assert time.time() < deadline, "the run did not stop after SIGHUP"
             time.sleep(0.2)

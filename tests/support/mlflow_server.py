@@ -24,7 +24,7 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = 600.0) -> None:  # a hang guard: under the whole suite a start took minutes
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         cmd = [MLFLOW_BIN, "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
                "--artifacts-destination", str(self.root / "server_artifacts"),
