@@ -47,7 +47,7 @@ from tests.support.nemo_rehearsal import (
 )
 
 pytestmark = pytest.mark.timeout(4800)  # with the wait for the rehearsal slot (the other rehearsals of both trees)
-RUN_GUARD_S = 1200
+RUN_GUARD_S = 2400  # both driver runs; under the whole CI run at once they took over 1,200 s
 
 PRESET = REPO / "configs" / "bapo_32b.yaml"
 # TP 1 x CP 2 x DP 1 trains (CP keeps the packed, chunked path of the presets), one logical GPU generates.
