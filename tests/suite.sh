@@ -8,10 +8,11 @@
 #      environment .venv-nemo-rl/<tree's folder name> with NeMo-RL's torch (2.11.0) and the CPU build of the
 #      vLLM that tree pins (tests/support/nemo_rl_venv.sh, from constraints/nemo-rl-vllm-<X>-py313.txt).
 #
-# The parts run at the same time, each with its own pytest workers and its own log, printed whole when it
-# ends: each part waits on subprocesses, servers and schedulers for much of its time, and one after another
-# they left the cores idle for more than half of the run. The rehearsals, the tier's largest tests, take
-# turns across the trees where memory asks for it (tests/support/nemo_rehearsal.py, rehearsal_slots).
+# Each part has its own pytest workers and its own log, printed whole when it ends. The package's tiers run
+# first while the trees' environments build; then the trees' tiers run at the same time, one pytest worker
+# each (each part waits on subprocesses, servers and schedulers for much of its time: one tree after the
+# other left the cores idle). All three at once slowed the rehearsals past their hang guards and filled the
+# memory. The rehearsals take turns across the trees where memory asks for it (tests/support/nemo_rehearsal.py).
 #
 # Without a tree (NEMO_RL_SRCS and NEMO_RL_SRC unset) the NeMo-RL tests skip, each with its reason. Without
 # Python 3.13 (PYTHON313, `python3.13` on PATH, or pyenv's 3.13.0; NeMo-RL itself requires it) the command
@@ -79,12 +80,21 @@ tier() {
   local built=$?
   touch "$ready"
   [ "$built" -eq 0 ] || { echo "could not build $venv for $tree with $python313"; return 1; }
+  # The tier's tests wait for the package's tiers: all at once, their processes slowed the rehearsals
+  # past their hang guards on 2 cores (the environments' builds, mostly downloads, go ahead).
+  while [ ! -e "$logs/python_tiers.done" ]; do sleep 2; done
   echo "== NeMo-RL tier on $("$venv/bin/python" -V 2>&1) against $tree"
   NEMO_RL_SRC=$tree "$venv/bin/pytest" tests/nemo_rl -n "$TIER_WORKERS" "$@"
 }
 
 start=$SECONDS
-part unit+cli+slurm env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
+python_tiers_then_mark() {
+  env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
+  local code=$?
+  touch "$logs/python_tiers.done"
+  return $code
+}
+part unit+cli+slurm python_tiers_then_mark "$@"
 previous=""
 for tree in "${tree_list[@]}"; do
   name=nemo_rl-$(basename "$tree")

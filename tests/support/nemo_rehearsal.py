@@ -103,10 +103,10 @@ def async_checkpoint_saves() -> bool:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
-# The NeMo-RL tiers of several trees run at once (tests/suite.sh), beside the package's tiers. Two rehearsals
-# side by side (an async one is ~7 GB of Ray actors, the Megatron one ~9 GB) ran a 24 GB machine into Ray's
-# memory monitor, which killed their workers: one rehearsal at a time, machine-wide.
-REHEARSAL_SLOTS = [Path(tempfile.gettempdir()) / f"bapo-nemo-rehearsal-slot-{i}.lock" for i in range(1)]
+# The NeMo-RL tiers of several trees run at once (tests/suite.sh), after the package's tiers. Two rehearsals
+# fit the machine's memory side by side (an async one is ~7 GB of Ray actors), the Megatron one (~9 GB) only
+# alone: a rehearsal takes one of two slots, machine-wide, the Megatron one both.
+REHEARSAL_SLOTS = [Path(tempfile.gettempdir()) / f"bapo-nemo-rehearsal-slot-{i}.lock" for i in range(2)]
 
 
 @contextmanager
