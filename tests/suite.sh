@@ -110,7 +110,7 @@ done
 # A line per part every PROGRESS_S seconds (its log's newest line), so a long or stuck run shows where it is;
 # on SIGTERM (a CI limit) the parts' logs come out before the suite ends.
 progress() {
-  while sleep "${PROGRESS_S:-300}"; do
+  while sleep "${PROGRESS_S:-300}" > /dev/null 2>&1; do  # (not holding the suite's output open once killed)
     for name in "${parts[@]}"; do
       [ -e "$logs/$name.status" ] && continue
       echo "== $((SECONDS - start)) s, $name: $(tail -c 2000 "$logs/$name.log" 2>/dev/null | tr '\r' '\n' | grep -v '^\s*$' | tail -n 1 | cut -c1-160)"

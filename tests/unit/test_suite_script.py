@@ -32,7 +32,7 @@ FAKE_VENV_BUILDER = """#!/bin/sh
 echo "venv $1 $2 $(basename "$3")" >> "$CALLS"
 [ -n "${BUILD_FAILS_FOR:-}" ] && [ "$1" = "$BUILD_FAILS_FOR" ] && exit 1
 mkdir -p "$2/bin"
-printf '#!/bin/sh\\necho "venv-pytest $0 NEMO_RL_SRC=$NEMO_RL_SRC $*" >> "$CALLS"\\necho "tier ran for $NEMO_RL_SRC"\\n[ -n "$FAIL_WHEN" ] && [ "$NEMO_RL_SRC" = "$FAIL_WHEN" ] && exit 1\\nexit 0\\n' > "$2/bin/pytest"
+printf '#!/bin/sh\\necho "venv-pytest $0 NEMO_RL_SRC=$NEMO_RL_SRC PYTHONPYCACHEPREFIX=$PYTHONPYCACHEPREFIX DONTWRITE=${PYTHONDONTWRITEBYTECODE:-unset} $*" >> "$CALLS"\\necho "tier ran for $NEMO_RL_SRC"\\nsleep "${TIER_SLEEPS:-0}"\\n[ -n "$FAIL_WHEN" ] && [ "$NEMO_RL_SRC" = "$FAIL_WHEN" ] && exit 1\\nexit 0\\n' > "$2/bin/pytest"
 printf '#!/bin/sh\\necho "Python 3.13.0"\\n' > "$2/bin/python"
 chmod +x "$2/bin/pytest" "$2/bin/python"
 echo "$2: NeMo-RL $(basename "$1") in 1 s"
@@ -67,7 +67,7 @@ def test_every_tree_gets_the_nemo_rl_tier_in_its_own_environment_beside_the_pyth
     root, _, calls, env = checkout
     done = run(root, env, "-x")
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = calls.read_text().splitlines()
+    lines = [re.sub(r" PYTHONPYCACHEPREFIX=\S* DONTWRITE=\S*", "", line) for line in calls.read_text().splitlines()]
     # All parts start at once: the package's tiers, and each tree's build then its tier; the second tree's
     # environment is built after the first's (its packages then come from uv's cache).
     assert "pytest NEMO_RL_SRC= tests/unit tests/cli tests/slurm -x" in lines  # no tree in sight
@@ -120,3 +120,24 @@ def test_without_a_tree_it_is_plain_pytest(checkout):
     env = {k: v for k, v in env.items() if k != "NEMO_RL_SRCS"}
     assert run(root, env, "-k", "x").returncode == 0
     assert calls.read_text().splitlines() == ["pytest NEMO_RL_SRC= tests/unit tests/cli tests/slurm -k x"]
+
+
+def test_the_tier_caches_bytecode_in_its_environment_even_where_writing_it_is_turned_off(checkout):
+    root, _, calls, env = checkout
+    done = run(root, {**env, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    tier_calls = [line for line in calls.read_text().splitlines() if line.startswith("venv-pytest")]
+    assert len(tier_calls) == 2
+    for line, tree in zip(sorted(tier_calls), ("main", "v070")):
+        assert f"PYTHONPYCACHEPREFIX={root}/.venv-nemo-rl/{tree}/pycache " in line
+        assert "DONTWRITE=unset" in line
+
+
+def test_a_part_still_running_prints_a_progress_line_with_its_newest_output(checkout):
+    root, _, _, env = checkout
+    done = run(root, {**env, "PROGRESS_S": "1", "TIER_SLEEPS": "4"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    progress = re.findall(r"^== \d+ s, (nemo_rl-\w+): (.*)$", done.stdout, flags=re.M)
+    assert {name for name, _ in progress} == {"nemo_rl-v070", "nemo_rl-main"}
+    for tree in ("v070", "main"):
+        assert (f"nemo_rl-{tree}", f"tier ran for /trees/{tree}") in progress
