@@ -31,7 +31,7 @@ TIER_WORKERS=${TIER_WORKERS:-1}
 # Each part's pytest gets Ctrl-C (its summary of what ran) after PART_LIMIT_S seconds and is killed a minute
 # later: a hung part (a Ray worker that took its pytest worker down left xdist waiting forever) ends the
 # suite with the others' results instead of running into CI's own limit with nothing printed.
-PART_LIMIT_S=${PART_LIMIT_S:-2700}
+PART_LIMIT_S=${PART_LIMIT_S:-3600}
 limited() { timeout -s INT -k 60 "$PART_LIMIT_S" "$@"; }
 
 find_python313() {
