@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bapo_nemo.embedded.prompt_format import response_tokens
+from bapo_nemo.embedded.run.prompt_format import response_tokens
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
 from bapo_nemo.export.hf import (
     ExportResult,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch
+from bapo_nemo.embedded.loop.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch
 from bapo_nemo.nemo.loss_math import PREFIX, SIGNAL_WEIGHTED_METRICS
 
 ZERO_SPREAD_METRIC = "frac_reward_zero_std"

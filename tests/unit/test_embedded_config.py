@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from bapo_nemo.algorithm import search_clip_bounds
-from bapo_nemo.embedded.config import RunConfigError, load_config, validate_config
-from bapo_nemo.embedded.resume import config_differences
+from bapo_nemo.embedded.config.run_config import RunConfigError, load_config, validate_config
+from bapo_nemo.embedded.run.resume import config_differences
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 
@@ -106,7 +106,7 @@ def test_config_differences_ignore_only_harmless_keys():
 
 
 def test_resume_treats_a_key_added_since_the_checkpoint_as_its_default():
-    from bapo_nemo.embedded.config import RunConfig
+    from bapo_nemo.embedded.config.run_config import RunConfig
 
     current = RunConfig().to_dict()
     saved = RunConfig().to_dict()
@@ -133,8 +133,8 @@ def _key_table() -> dict[str, str]:
 
 
 def test_key_table_covers_every_key_of_the_schema():
-    from bapo_nemo.embedded.config import RunConfig
-    from bapo_nemo.embedded.config_keys import all_keys
+    from bapo_nemo.embedded.config.run_config import RunConfig
+    from bapo_nemo.embedded.config.key_names import all_keys
 
     table = _key_table()
     sections = {k for k in all_keys(RunConfig) for other in all_keys(RunConfig) if other.startswith(k + ".")}
@@ -151,7 +151,7 @@ def test_key_table_covers_every_key_of_the_schema():
 
 def test_every_counterpart_the_table_names_exists_in_nemo_rl_v070():
     from bapo_nemo.algorithm.options import BAPOBlock
-    from bapo_nemo.embedded.config import LossFnConfig, RunConfig
+    from bapo_nemo.embedded.config.run_config import LossFnConfig, RunConfig
     from bapo_nemo.plan.rules.config_io import load_nemo_config
     from bapo_nemo.plan.rules.schema import OWN_SECTIONS, known_keys
     from bapo_nemo.rollout import PartialRolloutConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bapo_nemo.embedded.rl_step import StepOutcome
+    from bapo_nemo.embedded.loop.rl_step import StepOutcome
 
 # MLflow run tag holding the latest zero-spread warning (the UI shows it on the run's page).
 ZERO_SPREAD_TAG = "bapo.warning.zero_reward_spread"
@@ -128,7 +128,7 @@ def from_scratch_stop(step: int, leading_zero_steps: int, from_scratch: bool,
 
 def sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
     """The first response of each of the step's first `n` groups, for the MLflow table of samples."""
-    from bapo_nemo.embedded.evaluation import decode_response  # torch; the NeMo-RL hook imports this module
+    from bapo_nemo.embedded.loop.evaluation import decode_response  # torch; the NeMo-RL hook imports this module
 
     rows = []
     for g, rs in zip(groups, rewards):

@@ -12,7 +12,7 @@ arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math
 3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
    BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every
    `grpo.val_period` steps, checkpoints every `checkpointing.save_period` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP
-   finish the step, checkpoint and return (stop_signals.py: the handlers stay from set-up until the MLflow run
+   finish the step, checkpoint and return (interrupts.py: the handlers stay from set-up until the MLflow run
    is closed)
 4. finish (`_finish`): HF save in <output_dir>/hf_final (rewritten whenever the run ends at another step),
    summary, training plot
@@ -35,17 +35,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bapo_nemo.embedded import checkpoint as ckpt_io
-from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import RunConfig, run_params
-from bapo_nemo.embedded.evaluation import evaluate
-from bapo_nemo.embedded.model import DTYPES, ModelLoadError, load_policy, prepare_policy
-from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
-from bapo_nemo.embedded.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
-from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
-from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
-from bapo_nemo.embedded.startup_problems import StartupError, check_paths
-from bapo_nemo.embedded.step_metrics import (
+from bapo_nemo.embedded.output import checkpoint as ckpt_io
+from bapo_nemo.embedded.loop import warmup as warmup_io
+from bapo_nemo.embedded.config.run_config import RunConfig, run_params
+from bapo_nemo.embedded.loop.evaluation import evaluate
+from bapo_nemo.embedded.model.policy import DTYPES, ModelLoadError, load_policy, prepare_policy
+from bapo_nemo.embedded.run.prompt_format import final_model_card, run_example, training_template
+from bapo_nemo.embedded.run.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
+from bapo_nemo.embedded.loop.rl_step import Learner, StepOutcome, rl_step
+from bapo_nemo.embedded.output.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
+from bapo_nemo.embedded.run.startup_problems import StartupError, check_paths
+from bapo_nemo.embedded.loop.step_metrics import (
     ZERO_SPREAD_TAG,
     NoLearningSignalError,
     ZeroSpreadWatch,
@@ -54,9 +54,9 @@ from bapo_nemo.embedded.step_metrics import (
     sample_rows,
     step_metrics,
 )
-from bapo_nemo.embedded.stop_signals import StopFlag
-from bapo_nemo.embedded.task_source import rollout_reward, task_source, tokenizer_free_problems
-from bapo_nemo.embedded.tasks import Task, TaskStream
+from bapo_nemo.embedded.run.interrupts import StopFlag
+from bapo_nemo.embedded.run.task_source import rollout_reward, task_source, tokenizer_free_problems
+from bapo_nemo.embedded.data.tasks import Task, TaskStream
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text

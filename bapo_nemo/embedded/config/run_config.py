@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
 from bapo_nemo.config_kind import wrong_tool_for_nemo_rl
-from bapo_nemo.embedded import config_keys
+from bapo_nemo.embedded.config.run_config import key_names as config_keys
 from bapo_nemo.rollout import PartialRolloutConfig
 
 
@@ -164,7 +164,7 @@ class DataConfig(_Section):
     reward: str = Field(
         "math_verify",
         description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'. module:function: "
-        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/rewards.py).",
+        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/data/rewards.py).",
     )
     overlong_prompts: Literal["skip", "truncate"] = Field(
         "skip",

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import yaml
 
-from bapo_nemo.embedded.tokenizer import save_inference_tokenizer, save_tokenizer
+from bapo_nemo.embedded.model.tokenizer import save_inference_tokenizer, save_tokenizer
 from bapo_nemo.tracking.redact import redact_nested
 
 COMPLETE = "COMPLETE"
