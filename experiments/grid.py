@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from bapo_nemo.embedded.config.run_config import key_names as config_keys
+from bapo_nemo.embedded.config import key_names as config_keys
 
 Mode = Literal["full", "quick"]
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
 from bapo_nemo.config_kind import wrong_tool_for_nemo_rl
-from bapo_nemo.embedded.config.run_config import key_names as config_keys
+from bapo_nemo.embedded.config import key_names as config_keys
 from bapo_nemo.rollout import PartialRolloutConfig
 
 
@@ -368,12 +368,33 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RunConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
         if (wrong_tool := wrong_tool_for_nemo_rl(str(path), data)) is not None:
             raise RunConfigError(wrong_tool)
+        data = _accept_old_names(data, str(path))
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
     # required by its own schema (e.g. partial_rollouts.max_response_tokens alone).
     data = deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
     return validate_config(data, where)
+
+
+OLD_NAMES_UNTIL = "0.3"  # the release that stops reading the names the config had before NeMo-RL's
+
+
+def _accept_old_names(data: dict, where: str) -> dict:
+    """`data` in today's names, one deprecation warning per old key; an old key beside its new one is an error."""
+    clashes = config_keys.set_twice(data)
+    if clashes:
+        raise RunConfigError(f"invalid run config {where}:\n  " + "\n  ".join(clashes))
+    for line in config_keys.old_keys(data):
+        _deprecated(f"{where}: {line}")
+    return config_keys.upgrade(data)
+
+
+def _deprecated(message: str) -> None:
+    import warnings
+
+    warnings.warn(f"{message}; the old name is read until bapo-nemo {OLD_NAMES_UNTIL} ({config_keys.DOCS})",
+                  FutureWarning, stacklevel=3)
 
 
 def deep_merge(base: dict, update: dict) -> dict:
@@ -407,9 +428,12 @@ def apply_override(data: dict, item: str) -> None:
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
+    if not config_keys.schema_has(RunConfig, parts) and config_keys.renamed_one_to_one(key):
+        _deprecated(f"override {item!r}: {config_keys.renamed_message(key)}")
+        key, parts = config_keys.new_name(key), config_keys.new_name(key).split(".")
     if not config_keys.schema_has(RunConfig, parts):
         renamed = config_keys.renamed_message(key)
-        if renamed is not None:
+        if renamed is not None:  # a value that changed form with its key: the new key, written in its form
             raise RunConfigError(f"override {item!r}: {renamed} ({config_keys.DOCS})")
         raise RunConfigError(
             f"unknown config key {key!r} in override {item!r}" + config_keys.did_you_mean(RunConfig, key)

@@ -65,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     """Exit 0 when the run finished (or stopped on the requeue request, SIGUSR1); 128 + the signal's number
     when a signal stopped it after a checkpoint (130 for Ctrl-C, 143 for SIGTERM); 2 on a user error (one
     line on stderr naming the key or file and the fix)."""
+    _warnings_as_lines()  # first: reading the config may warn (an old key name)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"grpo.seed={args.seed}")
@@ -97,7 +98,6 @@ def main(args: argparse.Namespace) -> int:
         print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
               "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
               file=sys.stderr)
-    _warnings_as_lines()
     # torch/transformers load only now
     from bapo_nemo.embedded.output.checkpoint import CheckpointError
     from bapo_nemo.embedded.model.policy import ModelLoadError
