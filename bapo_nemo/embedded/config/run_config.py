@@ -1,13 +1,8 @@
 """The embedded trainer's run config: one pydantic schema (extra keys forbidden), loaded from YAML, with
-dotted command-line overrides (`loss_fn.bapo.rho0=0.5`) checked against the schema. Where a key means what
-a NeMo-RL v0.7.0 key means, it has that key's name and place (`grpo.max_num_steps`, `loss_fn.bapo`, ...);
-docs/embedded.md#config-keys maps every key. The names in use before are refused with a pointer to the
-new one (`config_keys.py`).
-
-Loss presets for experiments are plain settings of the `loss_fn.bapo` block:
-  fixed clip [0.8, 1.2]     loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.2}
-  clip-higher [0.8, 1.28]   loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.28}
-  BAPO                      loss_fn.bapo: {enabled: true, ...paper grids...}
+dotted command-line overrides (`loss_fn.bapo.rho0=0.5`) checked against it. A key that means what a
+NeMo-RL v0.7.0 key means has that key's name and place (docs/embedded.md#config-keys maps them all); the
+old names are read with a deprecation warning naming the new key (`key_names.py`). The loss presets
+(fixed clip, clip-higher, BAPO) are settings of `loss_fn.bapo` (docs/embedded.md, "Loss presets").
 """
 
 from __future__ import annotations

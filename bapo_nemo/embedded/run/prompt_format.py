@@ -1,11 +1,8 @@
 """How a model trained here is prompted, for whoever loads it (hf_final, `bapo-nemo export`): a chat
-template that turns a question into exactly the training prompt, kept where transformers reads it
-(`tokenizer.apply_chat_template`), and a model card section that says the format, with an example.
-
-A training prompt is the question (inside `data.prompt_template` for a dataset) given to the tokenizer's
-chat template as one user turn, or, for a tokenizer without one, BOS and the question
-(evaluation.encode_prompt). A tokenizer without a chat template gets one that does the latter; one with its
-own keeps it, and the card says which template to put the question in first.
+template that turns a question into exactly the training prompt (`tokenizer.apply_chat_template`), and a
+model card section that says the format, with an example. The training prompt is one user turn of the
+tokenizer's chat template, or BOS and the question without one (evaluation.encode_prompt); a tokenizer
+without a template gets one that does the latter, one with its own keeps it.
 """
 
 from __future__ import annotations

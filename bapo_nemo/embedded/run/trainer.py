@@ -1,24 +1,10 @@
-"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom. The policy is
-the tiny Qwen2 built from config or any HF causal LM (`policy.model_name`); the tasks are the bundled
-arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math-verify).
+"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom
+(docs/embedded.md, "What a run does"). `train(config, output_dir, resume) -> summary dict`:
 
-    train(config, output_dir, resume) -> summary dict
-
-1. set-up (`_set_up`): tokenizer and model (model.py), tasks (task_source.py), every problem of the config
-   reported at once (startup_problems.py), tracker; resume from the newest intact checkpoint written with
-   the same config, if asked (resume.py)
-2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
-   a stop signal ends it between steps, with nothing written
-3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
-   BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every
-   `grpo.val_period` steps, checkpoints every `checkpointing.save_period` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP
-   finish the step, checkpoint and return (interrupts.py: the handlers stay from set-up until the MLflow run
-   is closed)
-4. finish (`_finish`): HF save in <output_dir>/hf_final (rewritten whenever the run ends at another step),
-   summary, training plot
-
-Whatever the ending, the MLflow run is marked (FINISHED; KILLED on a signal; FAILED on an error) and
-<output_dir>/train.log records it, with one line per step and the decisions (resume, skipped checkpoints).
+1. `_set_up`: tokenizer, model, tasks, every config problem at once, tracker; resume if asked;
+2. `_warm_up`: supervised fine-tuning on reference solutions, cached in <output_dir>/warmup;
+3. RL steps: `rl_step`, then `_record_step` (metrics, held-out eval, checkpoints); a signal ends the step;
+4. `_finish`: hf_final, summary, plot. Every ending marks the MLflow run (FINISHED, KILLED or FAILED).
 """
 
 from __future__ import annotations
