@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from bapo_nemo.embedded.config.run_config import load_config
-from bapo_nemo.embedded.model.policy import build_model
 from bapo_nemo.embedded.data.tasks import TaskGenerator, extract_answer
+from bapo_nemo.embedded.model.policy import build_model
 from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 from bapo_nemo.embedded.run.trainer import train
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bapo_nemo.embedded.output.checkpoint import complete_checkpoints
 from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.output.checkpoint import complete_checkpoints
 from bapo_nemo.embedded.run.resume import ResumeError
 from bapo_nemo.embedded.run.trainer import train
 from tests.support import cli_process
@@ -388,9 +388,9 @@ def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_t
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from bapo_nemo.embedded.data.tasks import TaskGenerator
     from bapo_nemo.embedded.loop.evaluation import encode_prompt
     from bapo_nemo.embedded.loop.step_metrics import ZERO_SPREAD_TAG
-    from bapo_nemo.embedded.data.tasks import TaskGenerator
     from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     rows = [{"question": t.question, "answer": t.answer.zfill(40), "solution": t.solution}

@@ -133,8 +133,8 @@ def _key_table() -> dict[str, str]:
 
 
 def test_key_table_covers_every_key_of_the_schema():
-    from bapo_nemo.embedded.config.run_config import RunConfig
     from bapo_nemo.embedded.config.key_names import all_keys
+    from bapo_nemo.embedded.config.run_config import RunConfig
 
     table = _key_table()
     sections = {k for k in all_keys(RunConfig) for other in all_keys(RunConfig) if other.startswith(k + ".")}

@@ -141,8 +141,8 @@ def test_jsonl_clean_file_gives_no_warning(tmp_path):
 
 
 def test_warmup_batch_ends_demonstrations_with_eos_except_the_cut_off_ones():
-    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
     from bapo_nemo.embedded.loop.warmup import sft_batch
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     ended = Task("a", "7+5?", "12", "7+5=12;#12")

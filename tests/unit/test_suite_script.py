@@ -137,7 +137,7 @@ def test_a_part_still_running_prints_a_progress_line_with_its_newest_output(chec
     root, _, _, env = checkout
     done = run(root, {**env, "PROGRESS_S": "1", "TIER_SLEEPS": "4"})
     assert done.returncode == 0, done.stdout + done.stderr
-    progress = re.findall(r"^== \d+ s, (nemo_rl-\w+): (.*)$", done.stdout, flags=re.M)
+    progress = re.findall(r"^== \d+ s, (nemo_rl-\w+): (.*)$", done.stdout, flags=re.MULTILINE)
     assert {name for name, _ in progress} == {"nemo_rl-v070", "nemo_rl-main"}
     for tree in ("v070", "main"):
         assert (f"nemo_rl-{tree}", f"tier ran for /trees/{tree}") in progress

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bapo_nemo.embedded.data.user_data import DataError, math_verify_reward
 from bapo_nemo.embedded.data.tasks import Task, reward
+from bapo_nemo.embedded.data.user_data import DataError, math_verify_reward
 
 Score = Callable[[str, Task], float]  # (response text, task) -> reward
 

@@ -17,9 +17,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from bapo_nemo.embedded.output.run_log import LOGGER
 from bapo_nemo.embedded.data.tasks import Task, TaskFileError, answer_text, unscorable_answer
 from bapo_nemo.embedded.data.text_checks import representation_problem
+from bapo_nemo.embedded.output.run_log import LOGGER
 
 log = logging.getLogger(LOGGER)
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from bapo_nemo.embedded.config.run_config import RunConfig
+from bapo_nemo.embedded.data.tasks import TaskStream
 from bapo_nemo.embedded.loop.generation import sample_continuations
 from bapo_nemo.embedded.loop.grpo import TokenBatch, build_batch, forward_logprobs, policy_update
-from bapo_nemo.embedded.data.tasks import TaskStream
 from bapo_nemo.rollout import (
     GenerationChunk,
     PartialRolloutManager,

@@ -125,7 +125,9 @@ def from_scratch_stop(step: int, leading_zero_steps: int, from_scratch: bool,
 
 def sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
     """The first response of each of the step's first `n` groups, for the MLflow table of samples."""
-    from bapo_nemo.embedded.loop.evaluation import decode_response  # torch; the NeMo-RL hook imports this module
+    from bapo_nemo.embedded.loop.evaluation import (
+        decode_response,  # torch; the NeMo-RL hook imports this module
+    )
 
     rows = []
     for g, rs in zip(groups, rewards):

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from bapo_nemo.embedded.data.tasks import TaskStream
 from bapo_nemo.embedded.loop.evaluation import encode_prompt
 from bapo_nemo.embedded.output.run_log import LOGGER
-from bapo_nemo.embedded.data.tasks import TaskStream
 from bapo_nemo.tracking.redact import redact_nested
 
 CACHE_DIR = "warmup"

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bapo_nemo.embedded.model.bundled_model import bundled_problem, is_bundled
-from bapo_nemo.embedded.data.user_data import DataError, source_path_problem
-from bapo_nemo.embedded.model.policy import ModelLoadError, model_path_problem
 from bapo_nemo.embedded.data.tasks import TaskFileError, task_file_problem
+from bapo_nemo.embedded.data.user_data import DataError, source_path_problem
+from bapo_nemo.embedded.model.bundled_model import bundled_problem, is_bundled
+from bapo_nemo.embedded.model.policy import ModelLoadError, model_path_problem
 
 
 class StartupError(DataError):

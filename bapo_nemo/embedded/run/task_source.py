@@ -11,6 +11,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from bapo_nemo.embedded.config.run_config import RunConfig
+from bapo_nemo.embedded.data.rewards import reward_function
+from bapo_nemo.embedded.data.tasks import Task, TaskFileError, TaskGenerator, load_jsonl_tasks, reward
+from bapo_nemo.embedded.data.text_checks import CANNOT_REPRESENT
 from bapo_nemo.embedded.data.user_data import (
     fit_prompts,
     held_out_size_problem,
@@ -22,10 +25,7 @@ from bapo_nemo.embedded.data.user_data import (
     unrepresentable_rows,
 )
 from bapo_nemo.embedded.loop.evaluation import decode_response, encode_prompt
-from bapo_nemo.embedded.data.rewards import reward_function
 from bapo_nemo.embedded.run.startup_problems import Problems, response_length_problem
-from bapo_nemo.embedded.data.tasks import Task, TaskFileError, TaskGenerator, load_jsonl_tasks, reward
-from bapo_nemo.embedded.data.text_checks import CANNOT_REPRESENT
 
 
 class TaskSource(NamedTuple):

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from bapo_nemo.embedded.run.compare import CompareError, tracking_overrides
 from bapo_nemo.embedded.config.run_config import RunConfigError, load_config
+from bapo_nemo.embedded.run.compare import CompareError, tracking_overrides
 from bapo_nemo.tracking.redact import redact_text
 
 
@@ -99,14 +99,14 @@ def main(args: argparse.Namespace) -> int:
               "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
               file=sys.stderr)
     # torch/transformers load only now
-    from bapo_nemo.embedded.output.checkpoint import CheckpointError
+    from bapo_nemo.embedded.data.tasks import TaskFileError
+    from bapo_nemo.embedded.loop.step_metrics import NoLearningSignalError
     from bapo_nemo.embedded.model.policy import ModelLoadError
-    from bapo_nemo.embedded.run.resume import ResumeError
-    from bapo_nemo.embedded.run.run_lock import OutputDirError, OutputDirLock
+    from bapo_nemo.embedded.output.checkpoint import CheckpointError
     from bapo_nemo.embedded.output.run_log import append_line
     from bapo_nemo.embedded.output.run_summary import summary_record, summary_text
-    from bapo_nemo.embedded.loop.step_metrics import NoLearningSignalError
-    from bapo_nemo.embedded.data.tasks import TaskFileError
+    from bapo_nemo.embedded.run.resume import ResumeError
+    from bapo_nemo.embedded.run.run_lock import OutputDirError, OutputDirLock
     from bapo_nemo.embedded.run.trainer import train
     from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 

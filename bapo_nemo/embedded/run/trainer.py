@@ -21,16 +21,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bapo_nemo.embedded.output import checkpoint as ckpt_io
-from bapo_nemo.embedded.loop import warmup as warmup_io
 from bapo_nemo.embedded.config.run_config import RunConfig, run_params
+from bapo_nemo.embedded.data.tasks import Task, TaskStream
+from bapo_nemo.embedded.loop import warmup as warmup_io
 from bapo_nemo.embedded.loop.evaluation import evaluate
-from bapo_nemo.embedded.model.policy import DTYPES, ModelLoadError, load_policy, prepare_policy
-from bapo_nemo.embedded.run.prompt_format import final_model_card, run_example, training_template
-from bapo_nemo.embedded.run.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
 from bapo_nemo.embedded.loop.rl_step import Learner, StepOutcome, rl_step
-from bapo_nemo.embedded.output.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
-from bapo_nemo.embedded.run.startup_problems import StartupError, check_paths
 from bapo_nemo.embedded.loop.step_metrics import (
     ZERO_SPREAD_TAG,
     NoLearningSignalError,
@@ -40,9 +35,19 @@ from bapo_nemo.embedded.loop.step_metrics import (
     sample_rows,
     step_metrics,
 )
+from bapo_nemo.embedded.model.policy import DTYPES, ModelLoadError, load_policy, prepare_policy
+from bapo_nemo.embedded.output import checkpoint as ckpt_io
+from bapo_nemo.embedded.output.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
 from bapo_nemo.embedded.run.interrupts import StopFlag
+from bapo_nemo.embedded.run.prompt_format import final_model_card, run_example, training_template
+from bapo_nemo.embedded.run.resume import (
+    checkpoint_to_resume,
+    remember_store,
+    run_to_continue,
+    tracking_uri_for,
+)
+from bapo_nemo.embedded.run.startup_problems import StartupError, check_paths
 from bapo_nemo.embedded.run.task_source import rollout_reward, task_source, tokenizer_free_problems
-from bapo_nemo.embedded.data.tasks import Task, TaskStream
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text
