@@ -28,6 +28,11 @@ python_tiers=(tests/unit tests/cli tests/slurm)
 # cluster of ~1 GB actors for its e2e tests and rehearsals; two per tree, with both trees and the package's
 # tiers at once, filled a 24 GB machine to Ray's memory monitor (95%), which killed rehearsal workers.
 TIER_WORKERS=${TIER_WORKERS:-1}
+# Each part's pytest gets Ctrl-C (its summary of what ran) after PART_LIMIT_S seconds and is killed a minute
+# later: a hung part (a Ray worker that took its pytest worker down left xdist waiting forever) ends the
+# suite with the others' results instead of running into CI's own limit with nothing printed.
+PART_LIMIT_S=${PART_LIMIT_S:-2700}
+limited() { timeout -s INT -k 60 "$PART_LIMIT_S" "$@"; }
 
 find_python313() {
   local candidate
@@ -89,13 +94,13 @@ tier() {
   # Bytecode, cached: uv installs none, the tree is read-only, and with PYTHONDONTWRITEBYTECODE (set on our
   # machines) every Ray actor compiled torch, megatron-core and vLLM again (megatron-core's import: 24 s
   # uncached, 8 s cached). The cache lives in the environment, outside the checkout and the tree.
-  env -u PYTHONDONTWRITEBYTECODE NEMO_RL_SRC=$tree PYTHONPYCACHEPREFIX="$PWD/$venv/pycache" \
+  limited env -u PYTHONDONTWRITEBYTECODE NEMO_RL_SRC="$tree" PYTHONPYCACHEPREFIX="$PWD/$venv/pycache" \
     "$venv/bin/pytest" tests/nemo_rl -n "$TIER_WORKERS" "$@"
 }
 
 start=$SECONDS
 python_tiers_then_mark() {
-  env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
+  limited env -u NEMO_RL_SRC pytest "${python_tiers[@]}" "$@"
   local code=$?
   touch "$logs/python_tiers.done"
   return $code
@@ -136,7 +141,10 @@ for name in "${parts[@]}"; do
   cat "$logs/$name.log"
   read -r code seconds < "$logs/$name.status" || { code=1; seconds="?"; }
   # pytest exit 5: nothing collected (e.g. a -k that matches only one part)
-  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
+  if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
+    failed=1
+    summary+=("FAILED: $name stopped at its limit of $PART_LIMIT_S s (PART_LIMIT_S): a hang, or far slower than CI allows")
+  elif [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
     failed=1
     summary+=("FAILED (exit $code): $name ($seconds s)")
   else

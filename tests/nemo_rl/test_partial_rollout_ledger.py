@@ -14,6 +14,7 @@ import json
 
 from bapo_nemo.nemo.checkpoint_hooks import CheckpointHooks
 from bapo_nemo.nemo.partial_rollout import install_partial_rollouts
+from bapo_nemo.nemo.worker_watch import StepCounter
 from bapo_nemo.rollout.ledger import LEDGER_FILE
 from tests.support.nemo_rollout_pieces import (
     CHECKPOINTING,
@@ -58,7 +59,9 @@ class Attempt:
         self.hook = install_partial_rollouts(master_config(), patch_grpo=False)
         self.checkpointer = CheckpointManager({"checkpoint_dir": str(root), **CHECKPOINTING})
         self.policy = TrainOnly()
-        self.hook.attach(self.policy, CheckpointHooks(self.checkpointer).install())
+        trains = StepCounter(resumed_step=0)  # the driver's one count of finished train calls
+        self.policy.train = trains.wrap(self.policy.train)
+        self.hook.attach(trains, CheckpointHooks(self.checkpointer).install())
         done = self.hook.policy_version  # steps the checkpoint holds: grpo_train's dataloader state
         start = 0 if done == 0 else 1 + done  # the first attempt's wrapper prefills one batch
         self.batches = iter(self.hook.wrap_dataloader(batches[start:]))

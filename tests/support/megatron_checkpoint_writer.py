@@ -13,17 +13,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import sys
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, target: str, floats: int, port: int, report: str) -> None:
@@ -78,7 +73,7 @@ def save_weights(iteration_dir: str | os.PathLike, world: int = 2, floats: int =
 
     report = str(report or Path(iteration_dir).parent / "save_report")
     try:
-        mp.start_processes(_rank, args=(world, str(iteration_dir), floats, _free_port(), report), nprocs=world,
+        mp.start_processes(_rank, args=(world, str(iteration_dir), floats, free_port(), report), nprocs=world,
                            start_method="fork")
     except (mp.ProcessRaisedException, mp.ProcessExitedException):
         pass

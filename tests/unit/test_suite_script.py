@@ -141,3 +141,12 @@ def test_a_part_still_running_prints_a_progress_line_with_its_newest_output(chec
     assert {name for name, _ in progress} == {"nemo_rl-v070", "nemo_rl-main"}
     for tree in ("v070", "main"):
         assert (f"nemo_rl-{tree}", f"tier ran for /trees/{tree}") in progress
+
+
+def test_a_part_past_its_limit_is_stopped_and_named_and_the_others_still_report(checkout):
+    root, _, _, env = checkout
+    done = run(root, {**env, "PART_LIMIT_S": "3", "TIER_SLEEPS": "100"})
+    assert done.returncode == 1
+    for tree in ("v070", "main"):
+        assert f"FAILED: nemo_rl-{tree} stopped at its limit of 3 s (PART_LIMIT_S)" in done.stdout
+    assert re.search(r"^ok: unit\+cli\+slurm \(\d+ s\)$", done.stdout, flags=re.MULTILINE), done.stdout
