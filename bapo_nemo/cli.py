@@ -10,7 +10,7 @@ import sys
 
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("bapo_nemo.embedded.train_cli", "BAPO training on one machine with the embedded trainer (CPU or one GPU)"),
+    "train": ("bapo_nemo.embedded.run.train_cli", "BAPO training on one machine with the embedded trainer (CPU or one GPU)"),
     "check": ("bapo_nemo.plan.check_cli", "validate a NeMo-RL config for a cluster shape and estimate per-GPU memory"),
     "report": ("bapo_nemo.tracking.report_cli", "training-dynamics panels for MLflow runs, as PNG and HTML"),
     "export": ("bapo_nemo.export.cli", "export a checkpoint to Hugging Face format, with a parity check"),

@@ -1,10 +1,7 @@
 """Which tool a config file is for: the embedded trainer (`bapo-nemo train`) or the NeMo-RL driver
-(`python -m bapo_nemo.train`, checked by `bapo-nemo check`). The two share NeMo-RL's section names where
-they mean the same (grpo, policy, loss_fn, ...), so a config's kind is read from the top-level sections
-only one of them has. A config given to the wrong tool gets one line naming the right command instead
-of a wall of unknown keys.
-
-A leaf module (no imports): the CLIs and the driver ask it before loading anything heavy.
+(`python -m bapo_nemo.train`, checked by `bapo-nemo check`), read from the top-level sections only one of
+them has (they share NeMo-RL's section names where they mean the same). A config given to the wrong tool
+gets one line naming the right command. A leaf module (no imports), asked before anything heavy loads.
 """
 
 from __future__ import annotations

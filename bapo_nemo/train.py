@@ -1,4 +1,5 @@
-"""`python -m bapo_nemo.train --config CONFIG [overrides]`: BAPO on NeMo-RL v0.7.0 (see bapo_nemo/nemo/driver.py)."""
+"""`python -m bapo_nemo.train --config CONFIG [overrides]`: BAPO on NeMo-RL, v0.7.0 or main
+(bapo_nemo/nemo/driver.py)."""
 
 import sys
 

@@ -23,11 +23,11 @@ from types import SimpleNamespace
 
 import torch
 
-from bapo_nemo.embedded.evaluation import encode_prompt
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.model import build_model
-from bapo_nemo.embedded.tasks import TaskGenerator
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.data.tasks import TaskGenerator
+from bapo_nemo.embedded.loop.evaluation import encode_prompt
+from bapo_nemo.embedded.loop.generation import sample_continuations
+from bapo_nemo.embedded.model.policy import build_model
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 
 RESULTS = Path(__file__).parent / "results"

@@ -35,14 +35,19 @@ import torch
 
 from bapo_nemo.algorithm import search_clip_bounds
 from bapo_nemo.algorithm.bapo import importance_ratio
-from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.grpo import build_batch, forward_logprobs, length_sorted_micro_batches, policy_update
-from bapo_nemo.embedded.model import build_model
-from bapo_nemo.embedded.tasks import Task, TaskStream, reward
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.data.tasks import Task, TaskStream, reward
+from bapo_nemo.embedded.loop import warmup as warmup_io
+from bapo_nemo.embedded.loop.evaluation import decode_response, encode_prompt
+from bapo_nemo.embedded.loop.generation import sample_continuations
+from bapo_nemo.embedded.loop.grpo import (
+    build_batch,
+    forward_logprobs,
+    length_sorted_micro_batches,
+    policy_update,
+)
+from bapo_nemo.embedded.model.policy import build_model
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutManager, PromptItem, split_minibatches
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.model import build_model
-from bapo_nemo.embedded.tasks import TaskGenerator, extract_answer
-from bapo_nemo.embedded.tokenizer import load_tokenizer
-from bapo_nemo.embedded.trainer import train
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.data.tasks import TaskGenerator, extract_answer
+from bapo_nemo.embedded.model.policy import build_model
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
+from bapo_nemo.embedded.run.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 A study is a set of *cells* (one setting each, e.g. `bapo/u4` = BAPO at 4 updates per rollout batch)
 times a list of seeds. `expand(study, mode)` turns it into `RunSpec`s, each with the exact dotted
-overrides passed to `bapo_nemo.embedded.config.load_config`. Everything a run computes is decided here,
+overrides passed to `bapo_nemo.embedded.config.run_config.load_config`. Everything a run computes is decided here,
 so the runner and the summary agree on what a run is by its fingerprint (a hash of its overrides).
 
 Baselines are BAPO switched off with fixed bounds: the trainer then clips at [c_low_min, c_high_min].
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from bapo_nemo.embedded import config_keys
+from bapo_nemo.embedded.config import key_names as config_keys
 
 Mode = Literal["full", "quick"]
 
@@ -24,7 +24,7 @@ BASE_CONFIG = Path(__file__).resolve().parent / "base.yaml"
 # partial_rollouts.max_response_tokens of base.yaml: a token budget this large turns partial rollouts off.
 PARTIAL_OFF_BUDGET = 80
 
-# Loss presets (absolute ratio bounds, see bapo_nemo/embedded/config.py).
+# Loss presets (absolute ratio bounds, see bapo_nemo/embedded/config/run_config.py).
 FIXED_CLIP = {"loss_fn.bapo.enabled": False, "loss_fn.bapo.c_low_min": 0.8, "loss_fn.bapo.c_high_min": 1.2}
 CLIP_HIGHER = {
     "loss_fn.bapo.enabled": False,

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.trainer import train
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.run.trainer import train
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 
 

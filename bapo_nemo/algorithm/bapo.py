@@ -1,12 +1,9 @@
 """BAPO: Balanced Policy Optimization with Adaptive Clipping (Xi et al., arXiv 2510.18927).
 
-Everything of BAPO's math lives here: the positive-share measure (Eq. 8), the bound search (Algorithm 1)
-and the clipped surrogate it feeds (Algorithm 1, line 20). torch only; runtimes call these functions.
-
-Notation: r = exp(clamp(logp - logp_old, -20, 20)) is the per-token importance ratio, A the advantage,
-[c_low, c_high] absolute ratio bounds. The search walks the paper's path on an integer grid, but evaluates
-every grid point at once from two small histograms, so it costs one collective and one host sync instead
-of up to ~51 of each (see `search_clip_bounds`).
+All of BAPO's math: the positive-share measure (Eq. 8), the bound search (Algorithm 1) and the clipped
+surrogate it feeds (Algorithm 1, line 20); torch only, the runtimes call these functions. r is the
+per-token ratio exp(clamp(logp - logp_old, -20, 20)), A the advantage, [c_low, c_high] absolute bounds.
+The search evaluates the whole grid at once from two histograms (docs/algorithm.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The bound search's token pass as one fused loop, for CPU tensors (numba).
+"""The bound search's token pass as one fused numba loop, for CPU tensors.
 
-`bapo._token_statistics` in eager PyTorch makes ~15 passes over the tokens (bucket lookup, sign and mask
-codes, products, three histograms, two sums); on a GPU they are memory-bound and cost microseconds, on a
-CPU they cost about a third of the plain loss. This loop reads each token once and produces the same
-numbers: the histograms bit for bit (same products in the ratios' dtype, same float64 accumulation in
-token order as `index_add_`), the sums of r and log r to rounding. `tests/unit/test_algorithm_fused_cpu.py`
-holds it to the eager version.
-
-Used automatically for CPU tensors when numba is importable (set BAPO_FUSED_CPU=0 to opt out); everything
-else takes the eager path.
+Eager `bapo._token_statistics` makes ~15 memory-bound passes over the tokens; this loop reads each token
+once and yields the same numbers (histograms bit for bit, the sums of r and log r to rounding), held to
+the eager version by tests/unit/test_algorithm_fused_cpu.py. Used for CPU tensors when numba is
+importable (BAPO_FUSED_CPU=0 opts out); everything else takes the eager path.
 """
 
 from __future__ import annotations

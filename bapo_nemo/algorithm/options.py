@@ -1,16 +1,8 @@
-"""The `loss_fn.bapo` block of a NeMo-RL master config: BAPO's own settings (`BAPOConfig`) plus the
-options that only make sense inside NeMo-RL (which log-probs the clipped ratio is taken against).
+"""The `loss_fn.bapo` block of a NeMo-RL master config: `BAPOConfig`'s settings plus the options that only
+make sense inside NeMo-RL (which log-probs the clipped ratio is taken against, `ratio_reference`).
 
-It lives beside `BAPOConfig` (not in `bapo_nemo.nemo`) so that `bapo-nemo check` can validate the block
-without importing the NeMo-RL adapter.
-
-The block is flat in YAML, so users write one list of keys:
-
-    loss_fn:
-      bapo:
-        rho0: 0.4                 # BAPOConfig
-        granularity: microbatch   # BAPOConfig
-        ratio_reference: behavior # adapter option (this module)
+The block is flat in YAML (`rho0`, `granularity` and `ratio_reference` side by side). It lives here, not
+in `bapo_nemo.nemo`, so that `bapo-nemo check` validates it without importing the NeMo-RL adapter.
 """
 
 from __future__ import annotations

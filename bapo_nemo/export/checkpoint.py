@@ -1,11 +1,9 @@
 """Finding and validating the checkpoint to export, before anything is loaded or written.
 
-Two kinds are recognised by their layout:
-- embedded: ``<output_dir>/checkpoints/step_<N>/`` with ``model/``, ``tokenizer/``, ``training_info.json``,
-  ``config.yaml`` and the ``COMPLETE`` marker (written last by the trainer). Passing ``<output_dir>`` or
-  ``<output_dir>/checkpoints`` picks the newest complete step.
-- nemo_rl: NeMo-RL's ``checkpoint_dir/step_<N>/`` with ``policy/weights`` (Megatron torch_dist) and
-  ``config.yaml``.
+Two kinds, recognised by their layout:
+- embedded: `<output_dir>/checkpoints/step_<N>/` with `model/`, `tokenizer/`, `training_info.json`,
+  `config.yaml` and `COMPLETE`; `<output_dir>` or its `checkpoints/` picks the newest complete step.
+- nemo_rl: NeMo-RL's `checkpoint_dir/step_<N>/` with `policy/weights` (Megatron torch_dist), `config.yaml`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Post-training FP8 quantisation for serving, with NVIDIA ModelOpt (``pip install -e '.[fp8]'`` in the
-bapo-nemo checkout: bapo-nemo is not on PyPI).
+"""Post-training FP8 quantisation for serving, with NVIDIA ModelOpt (`pip install -e '.[fp8]'` in the
+checkout: bapo-nemo is not on PyPI); runs on CPU (docs/export.md, "FP8 for serving").
 
-``mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)`` inserts per-tensor FP8 (e4m3) quantisers for the
-weights and inputs of every linear layer (embeddings and lm_head excluded) and calibrates the input
-scales on held-out sequences; ``export_hf_checkpoint`` writes FP8 weights with ``weight_scale`` /
-``input_scale`` and ``quant_method: modelopt`` that vLLM and TensorRT-LLM load. Runs on CPU.
-
-Parity: transformers cannot run ModelOpt FP8 checkpoints on CPU (it ignores the scales), so the check
-(1) dequantises the written FP8 weights (fp8 * weight_scale) into the original architecture and compares
-log-probs with the source, and (2) compares the calibrated fake-quantised model (weights and
-activations in FP8, what a serving engine computes) with the source. FP8 is lossy: the check passes when
-the mean |dlogp| is within ``FP8_MEAN_TOLERANCE``; the max is reported.
+`mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)` makes every linear layer's weights and inputs
+per-tensor e4m3 (embeddings and lm_head excluded); `export_hf_checkpoint` writes what vLLM and TensorRT-LLM
+load. transformers ignores the scales on CPU, so parity dequantises the written weights, and compares the
+fake-quantised model too; FP8 is lossy: it passes on mean |dlogp| within `FP8_MEAN_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bapo_nemo.embedded.prompt_format import response_tokens
+from bapo_nemo.embedded.run.prompt_format import response_tokens
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError
 from bapo_nemo.export.hf import (
     ExportResult,

@@ -1,11 +1,9 @@
-"""A CPU stand-in for Transformer Engine's blockwise FP8 forward (the `fp8_recipe: blockwise` that the
-shipped NeMo-RL configs train with), to measure how far FP8-computed log-probs sit from a bf16 reload.
+"""A CPU stand-in for Transformer Engine's blockwise FP8 forward (`fp8_recipe: blockwise`, as the shipped
+NeMo-RL configs train), to measure how far FP8-computed log-probs sit from a bf16 reload.
 
-TE's blockwise recipe (DeepSeek-V3 style) quantises each Linear's input in 1x128 tiles and its weight in
-128x128 blocks to float8 e4m3, one fp32 scale per tile (amax -> 448), and accumulates in higher
-precision. `blockwise_fp8_linears(model)` makes every `nn.Linear` but the output head do exactly that
-quantise-dequantise before its matmul (Megatron leaves the output layer in bf16). It is not TE's kernel:
-accumulation order differs, which is far below the quantisation error measured here.
+`blockwise_fp8_linears(model)` makes every `nn.Linear` but the output head quantise-dequantise its input
+in 1x128 tiles and its weight in 128x128 blocks to e4m3 (one fp32 scale per tile, amax -> 448) before its
+matmul. Not TE's kernel: the accumulation order differs, far below the quantisation error measured.
 """
 
 from __future__ import annotations

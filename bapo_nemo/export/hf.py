@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from bapo_nemo.embedded.prompt_format import response_tokens
+from bapo_nemo.embedded.run.prompt_format import response_tokens
 from bapo_nemo.export.checkpoint import CheckpointRef, ExportError, validate_embedded
 from bapo_nemo.export.model_card import model_card, portable_info
 from bapo_nemo.export.parity import (
@@ -171,10 +171,10 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 def save_round_trip_tokenizer(tokenizer, out: Path) -> None:
     """Save ``tokenizer`` so that ``AutoTokenizer.from_pretrained(out)(text)`` gives :func:`prompt_ids`
-    (embedded/tokenizer.py, `save_inference_tokenizer`: a BOS-prepending post-processor, and an ``auto_map``
+    (embedded/model/tokenizer.py, `save_inference_tokenizer`: a BOS-prepending post-processor, and an ``auto_map``
     entry so that transformers 5 does not swap in ``Qwen2Tokenizer`` for a qwen2 config, which drops spaces).
     A chat template set on ``tokenizer`` is saved with it."""
-    from bapo_nemo.embedded.tokenizer import save_inference_tokenizer
+    from bapo_nemo.embedded.model.tokenizer import save_inference_tokenizer
 
     save_inference_tokenizer(tokenizer, out)
 
@@ -182,7 +182,7 @@ def save_round_trip_tokenizer(tokenizer, out: Path) -> None:
 def prompting_of(model, tokenizer, config: dict, info: dict):
     """(the run's prompt format, a held-out example of it, the model's greedy response to the example): the
     example the trainer recorded, or for an older checkpoint of the bundled tasks one of their format."""
-    from bapo_nemo.embedded.prompt_format import BUNDLED_EXAMPLE, greedy_response, prompt_format
+    from bapo_nemo.embedded.run.prompt_format import BUNDLED_EXAMPLE, greedy_response, prompt_format
 
     fmt = prompt_format(tokenizer, config)
     example = info.get("example") or (BUNDLED_EXAMPLE if fmt.bundled else {"question": "What is 17 + 25?"})

@@ -1,14 +1,10 @@
-"""NeMo-RL v0.7.0 Megatron checkpoint -> Hugging Face, inside ``nvcr.io/nvidia/nemo-rl:v0.7.0``.
+"""NeMo-RL Megatron checkpoint -> Hugging Face, inside the NeMo-RL container (docs/export.md).
 
-Uses the same call as v0.7.0's ``examples/converters/convert_megatron_to_hf.py``
-(``nemo_rl.models.megatron.community_import.export_model_from_megatron``: Megatron-Bridge
-``AutoBridge.from_hf_pretrained(...)`` + ``load_megatron_model`` + ``save_hf_pretrained``), with one fix:
-that script reads ``policy.hf_overrides``, but the policy key is ``policy.hf_config_overrides``, so the
-overrides (e.g. a rope-scaling change) were silently dropped. Here they are passed on.
-
-Parity: against ``step_<N>/parity_logprobs.json`` recorded at training time (see ``parity.py``); without
-it the check is reported as not possible, never as passed. FP8-trained checkpoints are judged on the mean
-|dlogp| (``parity.criterion_for``): their reference comes from the FP8 forward, the reload is bf16.
+The same call as v0.7.0's `examples/converters/convert_megatron_to_hf.py` (Megatron-Bridge through
+`community_import.export_model_from_megatron`), with `policy.hf_config_overrides` passed on (that script
+reads `policy.hf_overrides`, a key the policy does not have). Parity is against the training-time
+`step_<N>/parity_logprobs.json` (else reported as not checked, never as passed); FP8-trained checkpoints
+are judged on the mean |dlogp| (`parity.criterion_for`).
 """
 
 from __future__ import annotations

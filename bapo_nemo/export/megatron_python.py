@@ -1,12 +1,9 @@
 """Which Python can convert a NeMo-RL Megatron checkpoint.
 
-In ``nvcr.io/nvidia/nemo-rl:v0.7.0`` the default venv (``/opt/nemo_rl_venv``, the one ``bapo-nemo`` runs
-with) is synced without the ``mcore`` extra, so it has no Megatron-Bridge, and
-``nemo_rl.models.megatron.community_import`` imports ``megatron.bridge`` at its top. NeMo-RL itself runs
-Megatron code in the Megatron worker's venv (``$NEMO_RL_VENV_DIR/<MegatronPolicyWorker fqn>``, prefetched
-into the image under ``/opt/ray_venvs``) and launches its converter with ``uv run --extra mcore``. The
-export re-runs itself with the first of: this Python (if it has Megatron-Bridge), the worker venv's
-Python, ``uv run --locked --extra mcore --directory <NeMo-RL source> python``.
+In `nvcr.io/nvidia/nemo-rl:v0.7.0` the default venv (`/opt/nemo_rl_venv`, bapo-nemo's) is synced without
+the `mcore` extra, so it lacks Megatron-Bridge, which `community_import` imports at its top. The export
+re-runs itself with the first of: this Python (if it has Megatron-Bridge), the Megatron worker's venv
+(`$NEMO_RL_VENV_DIR/<MegatronPolicyWorker fqn>`), `uv run --locked --extra mcore --directory <source> python`.
 """
 
 from __future__ import annotations

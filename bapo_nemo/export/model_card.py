@@ -66,7 +66,7 @@ def portable_info(info: dict) -> dict:
 def local_name(name: str) -> str:
     """A model name as a card shows it: a local directory (one that exists here, or a name that can only be a
     path) by its last component; a hub id as it is."""
-    from bapo_nemo.embedded.model import is_hub_id
+    from bapo_nemo.embedded.model.policy import is_hub_id
 
     path = Path(name).expanduser()
     return path.name if path.exists() or not is_hub_id(name) else name

@@ -1,14 +1,10 @@
-"""Parity check of an export: per-token log-probs of the same held-out sequences under the source model
-and under the exported directory reloaded with transformers.
+"""Parity check of an export: per-token log-probs of the same held-out sequences under the source model and
+under the exported directory reloaded with transformers (docs/export.md, "Parity check").
 
-Held-out sequences: a few fixed prompts (kept only if the tokenizer encodes them without unknown tokens,
-e.g. arithmetic for the embedded tokenizer, English for real ones), topped up with seeded random-token
-prompts, each extended by a greedy continuation from the source model so response-like tokens are
-scored too. ``--parity-prompts FILE`` (one prompt per line) replaces the fixed prompts.
-
-For NeMo-RL checkpoints the source model is not loadable outside the cluster job, so the reference is
-recorded at training time: ``<checkpoint_dir>/step_<N>/parity_logprobs.json`` (format below, written by
-:func:`write_reference_logprobs` from the policy's ``get_logprobs`` on the same sequences).
+Sequences: fixed prompts the tokenizer encodes without unknown tokens (`--parity-prompts FILE` replaces
+them), topped up with seeded random-token prompts, each extended greedily by the source model. A NeMo-RL
+checkpoint's source model only loads inside the cluster job, so its reference is recorded at training
+time (`write_reference_logprobs` -> `step_<N>/parity_logprobs.json`).
 """
 
 from __future__ import annotations

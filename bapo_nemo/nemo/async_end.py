@@ -1,12 +1,9 @@
 """Whether `async_grpo_train` ended as asked, or failed and returned.
 
-The async loop may print its loop's exception and return (where the installed NeMo-RL swallows it), or
-return early at `grpo.stop_at_validation_metric`. Without a check a crashed job exits 0 and looks finished
-to Slurm and to a resubmitting script. So the driver records the steps the loop finished (its last
-`log_metrics` of a step says `step_finished=True`, after training, refit and checkpoint) and the last
-validation metrics, and after the loop an end before `grpo.max_num_steps` is an error unless the loop
-was told to stop: SIGUSR1 or `checkpointing.checkpoint_must_save_by` (through TimeoutChecker.check_save),
-or the validation early stop.
+Where the installed NeMo-RL prints the async loop's exception and returns, a crashed job would exit 0 and
+look finished to Slurm. The driver records the steps the loop finished (a step's last `log_metrics` says
+`step_finished=True`) and the last validation metrics; an end before `grpo.max_num_steps` is an error
+unless the loop was told to stop (SIGUSR1, `checkpoint_must_save_by`, `grpo.stop_at_validation_metric`).
 """
 
 from __future__ import annotations

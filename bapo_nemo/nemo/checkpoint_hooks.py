@@ -1,16 +1,10 @@
 """Our files in every NeMo-RL checkpoint, and the watch that stops a run whose checkpoints lack them.
 
-NeMo-RL writes a checkpoint into `tmp_step_N` (made by `CheckpointManager.init_tmp_checkpoint`) and renames
-it to `step_N` once complete: synchronously on v0.7.0 (`finalize_checkpoint`), on a background thread after
-async writes on main (`begin_finalization`). Both call `init_tmp_checkpoint` first, with the training state
-the checkpoint holds, so our one wrap is of that method: the writers registered here (partial rollouts in
-flight, the parity log-probs) write into `tmp_step_N` right after it is made, and the files become visible
-with the checkpoint's rename, never before it is complete.
-
-`check()` is the run-time half of the seam (bapo_nemo/nemo/seams.py): every `step_N` that appears during
-the run must have passed through the wrap with each file a writer wrote. The driver calls it at the next
-rollout, at every `policy.train` and after the loop; a checkpoint finalised by a path the wrap did not see
-stops the run there (`SeamError`), before more checkpoints without the files are written.
+NeMo-RL writes into `tmp_step_N` and renames it `step_N` once complete: synchronously on v0.7.0
+(`finalize_checkpoint`), on a background thread on main (`begin_finalization`). Both first call
+`CheckpointManager.init_tmp_checkpoint`, so that one method is wrapped: the registered writers (partial
+rollouts in flight, parity log-probs) write into `tmp_step_N` and appear with the rename. `check()`, the
+run-time half of seams.py, stops the run at the first `step_N` that did not pass through the wrap.
 """
 
 from __future__ import annotations

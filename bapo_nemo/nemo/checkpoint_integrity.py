@@ -1,19 +1,9 @@
 """Damaged checkpoints and a full disk on the NeMo-RL path: resume from the newest intact `step_N`.
 
-NeMo-RL resumes from the highest `checkpoint_dir/step_N` (`CheckpointManager.get_latest_checkpoint_path`,
-called by grpo's `setup()` and again by the async loop) without looking inside it: a truncated shard or a
-cut JSON file stops the run at load time, every restart again. And when the run saves that step again,
-upstream renames the old `step_N` to `old_step_N` and deletes it. Here:
-
-- `damage(step_dir)` says what is wrong with a checkpoint, from sizes and small metadata files only
-  (a 32B checkpoint is hundreds of GB: no tensor is read).
-- `skipping_damaged(CheckpointManager)` is the subclass the driver puts in place of grpo's module name
-  (`patch_grpo_checkpoint_manager`): the newest intact checkpoint is resumed, each damaged newer one is
-  named in one line and left in place; at the run's first save it is moved to `damaged_step_N`, a name
-  NeMo-RL never reads, prunes or overwrites. A damaged checkpoint is never loaded and never deleted.
-- `no_space_left(exc, checkpoint_dir)` and `disk_full_line(...)`: a save that failed for lack of space ends
-  the run with one line saying so. The unfinished `tmp_step_N` is never renamed to `step_N` (both trees
-  rename only after every write returned) and never resumed from.
+NeMo-RL resumes from the highest `step_N` without looking inside it. `damage(step_dir)` judges one from
+sizes and small metadata files (no tensor is read); `skipping_damaged(CheckpointManager)`, put in place of
+grpo's name, resumes the newest intact one and moves each damaged newer one to `damaged_step_N` at the
+first save (never loaded, never deleted); `no_space_left` / `disk_full_line` end a failed save in one line.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """`checkpointing.checkpoint_must_save_by` from the job's real end time, set just before the train loop.
 
-NeMo-RL's `TimeoutChecker` counts that duration from the start of `grpo_train` and is asked at each step's
-end whether elapsed time plus the mean step time reaches it (`fit_last_save_time=True`). A value fixed
-when the job starts must guess how long set-up takes (download, HF->Megatron conversion, vLLM start-up),
-and a cold first attempt that takes longer ends without a checkpoint. Computed here, after set-up, it is
-exact: time left until the job's end, minus a margin for one checkpoint save and the exit. The step time
-itself is the checker's own measured mean.
-
-The end time comes from the batch script (`BAPO_JOB_END_EPOCH`, Unix seconds) or from Slurm
-(`SLURM_JOB_END_TIME`, Slurm >= 23.02). Neither set, or a value already in the config (the user's
-choice): nothing changes.
+NeMo-RL's `TimeoutChecker` counts that duration from the loop's start, so a value fixed when the job
+starts must guess the set-up time; computed after set-up it is exact: time left until the job's end minus
+a margin for one save and the exit. The end comes from `BAPO_JOB_END_EPOCH` (the batch script) or
+`SLURM_JOB_END_TIME`; with neither, or with a value already in the config, nothing changes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The BAPO driver for NeMo-RL (`python -m bapo_nemo.train`): `examples/run_grpo.py`'s recipe with BAPOLossFn.
 
 `main` reads top to bottom: load and check the config (nothing starts on a refusal), install the layers
-(layers.py: every wrap and replacement on NeMo-RL, in one ordered list), set up as run_grpo.py does,
-attach BAPOLossFn and the layers on what setup() built, run grpo_train or async_grpo_train, finish.
-Resume is NeMo-RL's own: setup() loads the newest checkpoint of `checkpointing.checkpoint_dir`.
-
-Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
+(layers.py), set up as run_grpo.py does, attach BAPOLossFn and the layers on what setup() built, run
+grpo_train or async_grpo_train, finish. Resume is NeMo-RL's own (the newest checkpoint of
+`checkpointing.checkpoint_dir`). Every nemo_rl import is inside a function.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Which ranks BAPO's bound statistics are summed over inside NeMo-RL, and the sum itself.
+"""Which ranks BAPO's bound statistics are summed over inside NeMo-RL, and the sum itself: every token of one
+optimizer step exactly once (docs/nemo_rl.md, "Which ranks the statistics are summed over, and why").
 
-The statistics must cover exactly the tokens of one optimizer step, once each:
-
-- Megatron backend: `megatron.core.parallel_state.get_data_parallel_group()` (without context
-  parallelism). Only the last pipeline stage calls the loss, so a WORLD collective would deadlock under
-  PP > 1. Tensor-parallel ranks hold the same micro-batch (vocab-parallel log-probs are already
-  reduced), and under CP NeMo-RL all-gathers the log-probs to full length on every CP rank before the
-  loss, so TP/CP ranks must not be summed again.
-- DTensor backend: the worker's `device_mesh["dp"]` group (NeMo-RL's own `process_global_batch` uses
-  `self.dp_mesh.get_group()`). The loss cannot reach the worker, so we rebuild the same group from the
-  layout NeMo-RL uses (`lm_policy.Policy.sharding_annotations`: ranks laid out as [DP, CP, TP], TP
-  fastest; DTensor has no PP): the DP peers of rank r are the ranks with the same r mod (CP*TP).
-  CP-sharded inputs arrive as DTensors and are gathered to full length before the search.
+- Megatron: `parallel_state.get_data_parallel_group()` without CP (only the last PP stage calls the loss;
+  TP and CP ranks hold the same tokens).
+- DTensor: the worker's `dp` mesh group, rebuilt from NeMo-RL's [DP, CP, TP] rank layout (the DP peers of
+  rank r share r mod (CP*TP)); CP-sharded inputs are gathered to full length first.
 """
 
 from __future__ import annotations

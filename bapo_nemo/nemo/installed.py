@@ -1,22 +1,9 @@
-"""The installed NeMo-RL where its releases differ: the one module that decides.
+"""The installed NeMo-RL where its releases differ (v0.7.0, main): the one module that decides.
 
 Each difference is decided by what the installed `nemo_rl` has (a type, a signature, a declared key, an
-attribute), never by a version string: main's snapshot of 2026-08-22 still says 0.6.0. The rest of the
-adapter calls these functions and reads as if there were one NeMo-RL.
-
-| what | v0.7.0 | main (2026-08-22) | decided by |
-|---|---|---|---|
-| `master_config.grpo` | a dict (TypedDict) | pydantic `GRPOConfig` | `isinstance(section, Mapping)` |
-| `GRPOSaveState` | a dict (TypedDict) | a dataclass | `isinstance(state, Mapping)` |
-| `ClippedPGLossFn.__init__` | `(cfg)` | `(cfg, use_fused_linear_logprobs)` | its signature; values read off `setup()`'s loss |
-| `policy.generation.val_temperature/top_p/top_k` | absent | required | `GenerationConfig.__required_keys__` |
-| `CheckpointManager` as a context manager | no | yes (flushes async finalisation) | `hasattr(checkpointer, "__enter__")` |
-| early stop at a validation metric | none | `grpo.stop_at_validation_metric` | `grpo._validation_early_stop_message` exists |
-| `run_multi_turn_rollout` parameters | 7 | + `deduplicate_multimodal_data` | bound to the installed signature (partial_rollout.py) |
-| fused packed loss input, FP8-grown last sequence | overflows the batch width | copies the real tokens (#3182) | a probe of upstream's `_pack_input_ids` |
-| async loop: first refit | after the collector starts (its first requests sample vLLM's dummy weights) | before it starts | the order of the two calls in `async_grpo_train`'s source |
-
-Every nemo_rl import is inside a function: this module imports on machines without NeMo-RL.
+attribute, a probe), never by a version string: main's snapshot of 2026-08-22 still says 0.6.0. The rest
+of the adapter calls these functions and reads as if there were one NeMo-RL; docs/nemo_rl.md ("NeMo-RL
+versions") lists each difference and how it is decided. Every nemo_rl import is inside a function.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Every layer the driver puts on a NeMo-RL object, in one ordered list, installed in one place.
 
-A layer wraps `policy.train`, replaces a module global NeMo-RL looks up at call time, or wraps a method
-of an object setup() built. `LAYERS` is the order of installation: for the `policy.train` layers that is
-the order of wrapping, innermost first, so the first of them sees the batch last, just before the workers.
-Each entry names the upstream targets it touches; `seams.py` lists the same targets with how we know they
-are still on NeMo-RL's call path, and names the layer (tests/unit/test_nemo_layers.py holds them together).
-
-Every nemo_rl import is inside an install function: this module imports on machines without NeMo-RL.
+A layer wraps `policy.train`, replaces a module global NeMo-RL looks up at call time, or wraps a method of
+an object setup() built. `LAYERS` is the order of installation (for `policy.train`, innermost first: the
+first sees the batch last). Each entry names its upstream targets, which seams.py lists with how we know
+they are live (tests/unit/test_nemo_layers.py). nemo_rl is imported inside the install functions only.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """BAPOLossFn: NeMo-RL's ClippedPGLossFn with BAPO's adaptive clip bounds.
 
-Per call it searches (c_low, c_high) with `bapo_nemo.algorithm.search_clip_bounds` over the
-data-parallel group (see `groups.py`), writes them into the parent's clip epsilons and lets
-ClippedPGLossFn do the rest: importance-sampling correction, dual clip, KL, aggregation, its metrics.
-With `bapo.enabled: false` it *is* ClippedPGLossFn (same loss, gradients and metrics).
-
-Imports nemo_rl at module import: only load this module where NeMo-RL is installed (the container).
-The object is pickled to every Ray worker on every policy.train(); it holds configuration only.
+Per call it searches (c_low, c_high) over the data-parallel group (`groups.py`), writes them into the
+parent's clip epsilons and lets ClippedPGLossFn do the rest; with `bapo.enabled: false` it *is*
+ClippedPGLossFn. Imports nemo_rl at module import: load it only where NeMo-RL is installed. It is pickled
+to every Ray worker on every policy.train(), so it holds configuration only.
 """
 
 from __future__ import annotations

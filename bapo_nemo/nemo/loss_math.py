@@ -1,19 +1,10 @@
 """The NeMo-RL-free half of BAPOLossFn: everything that can be computed and tested without nemo_rl.
 
-- which log-probs the clipped ratio is taken against (`reference_logprobs`, `data_for_parent`);
-- the importance weights NeMo-RL's ClippedPGLossFn will multiply the loss by, so that the bound search
-  weighs tokens the way the loss does (`importance_weights_like_nemo`);
-- BAPO's absolute bounds as NeMo-RL's clip epsilons (`bounds_to_epsilons`);
-- BAPO's metrics named and scaled so that NeMo-RL's aggregation yields the right per-step values
-  (`nemo_step_metrics`).
-
-NeMo-RL's aggregation (policy worker `train()` + `grpo_train`), which `nemo_step_metrics` targets:
-each micro-batch's metric x is divided by the number of optimizer steps in the train() call
-(`num_global_batches`) unless its name contains "_min" or "_max"; the lists from one worker per
-data-parallel rank are concatenated; grpo_train then takes np.sum over the list, except
-probs_ratio(_clamped)_min/max (min/max) and lr, wd, global_valid_seqs/toks, reward, ... (mean).
-So a metric emitted as value * local_tokens / global_valid_toks sums to the token-weighted mean of the
-value over the step. Our names never contain "_min"/"_max": such names would be summed un-averaged.
+- `reference_logprobs`, `data_for_parent`: which log-probs the clipped ratio is taken against;
+- `importance_weights_like_nemo`: ClippedPGLossFn's weights, so the search weighs tokens as the loss does;
+- `bounds_to_epsilons`: BAPO's absolute bounds as NeMo-RL's clip epsilons;
+- `nemo_step_metrics`: metrics scaled so NeMo-RL's aggregation yields per-step values (docs/nemo_rl.md,
+  "Metrics"); no name contains "_min"/"_max", which that aggregation would sum un-averaged.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""Sequence packing with FP8 and `fuse_loss` in NeMo-RL's Megatron path: widen the training batch where the
+"""Sequence packing with FP8 and `fuse_loss` on NeMo-RL's Megatron path: widen the training batch where the
 installed NeMo-RL's fused loss input overflows (`installed.packed_loss_needs_full_width` decides).
 
-With FP8, NeMo-RL pads each packed micro-batch to a multiple of the FP8 block times 2*CP (times TP with
-sequence parallel) by growing the bin's LAST sequence (`megatron/data.py`,
-`_get_pack_sequence_parameters_for_megatron` and `_pack_sequences_for_megatron`), and the packed-sequence
-parameters carry these padded lengths as `cu_seqlens_q`. With `sequence_packing.fuse_loss: true`, the loss
-input is built by `prepare_packed_loss_input` -> `_pack_input_ids` (algorithms/loss/utils.py), which copies
-`input_ids[i, :padded_len]` into a buffer of `padded_len`: when the last sequence's padded length exceeds
-the batch's width (its longest sequence, rounded to `make_sequence_length_divisible_by`), the copy fails
-with "The expanded size of the tensor ... must match the existing size". With the 32B config (TP 8, CP 4,
-blockwise: multiples of 8,192 tokens) a bin of a 20,000- and a 15,000-token sequence in a batch whose
-longest sequence is 20,000 tokens is padded to 40,960 and its last sequence to 20,928 > 20,032: the first
-`policy.train()` fails. The log-prob path (`from_parallel_logits_to_logprobs_packed_sequences`) clips to
-the width and is not affected.
-
-`PackedWidthGuard` wraps `policy.train` and right-pads every per-token tensor of the batch to the widest
-padded sequence a bin can produce: a bin holds at most `sequence_packing.train_mb_tokens` padded tokens
-(the packer's capacity), so no sequence of it is padded past round_up(train_mb_tokens, FP8 multiple).
-The added columns are masked (`token_mask` 0) and packing reads `input_lengths`, so the loss, gradients
-and metrics are unchanged; it costs host memory for the wider batch only.
+With FP8 NeMo-RL grows a packed bin's last sequence to the FP8 multiple, and the fused loss copies that
+many tokens out of a batch only as wide as its longest sequence (docs/nemo_rl.md, "Sequence packing needs
+`fuse_loss: true`"). `PackedWidthGuard` wraps `policy.train` and right-pads every per-token tensor to
+round_up(train_mb_tokens, FP8 multiple), masked: loss, gradients and metrics are unchanged.
 """
 
 from __future__ import annotations

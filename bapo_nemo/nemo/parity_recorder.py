@@ -1,12 +1,9 @@
 """Record the policy's own log-probs on a few fixed sequences into every NeMo-RL checkpoint.
 
-`bapo-nemo export` turns a Megatron checkpoint into an HF directory outside the training job, where the
-Megatron model cannot be loaded to compare against; so its parity check compares the reloaded HF model
-with `step_N/parity_logprobs.json`, written here while the policy is live. `parity_writer` is registered
-with `CheckpointHooks` (checkpoint_hooks.py): it runs when grpo makes `tmp_step_N`, with the weights the
-checkpoint saves, and the file becomes visible with the checkpoint's rename.
-
-Cost per checkpoint: one `policy.get_logprobs` call on a handful of short sequences (seconds).
+`bapo-nemo export` converts a Megatron checkpoint outside the training job, where the model cannot be
+loaded, so its parity check compares with `step_N/parity_logprobs.json`, written here while the policy is
+live. `parity_writer` is a `CheckpointHooks` writer (checkpoint_hooks.py): one `policy.get_logprobs` call
+on a handful of short sequences, into `tmp_step_N`, visible with the checkpoint's rename.
 """
 
 from __future__ import annotations

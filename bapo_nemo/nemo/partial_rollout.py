@@ -1,34 +1,11 @@
-"""Partial rollouts in NeMo-RL's synchronous GRPO loop (`grpo_train`).
+"""Partial rollouts in NeMo-RL's synchronous GRPO loop (`grpo_train`), without a fork; see
+docs/partial_rollouts.md.
 
-How it plugs in (no fork): `install_partial_rollouts(master_config)` is called by the driver before
-`setup()`. It sets `policy.generation.max_new_tokens` to the per-iteration `token_budget` (the generation
-workers read it as vLLM's `max_tokens`) and replaces the module-level name
-`nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper. After `setup()` the driver calls
-`hook.attach(train_calls, checkpoint_hooks)`: the policy version follows the driver's count of `policy.train`
-calls and every checkpoint gets a
-`partial_rollouts.json` with the in-flight segments, and each
-segment iteration appends a line to `<checkpoint_dir>/partial_rollouts_ledger.jsonl`, from which a resume
-counts what an earlier attempt generated after its checkpoint (`bapo_nemo.rollout.ledger`).
-
-Each time grpo_train asks for rollouts of a step's batch (P prompts x G samples, `repeat_interleave`d):
-  1. the P prompts (whole dataloader rows, JSON-encoded) are queued in our `PartialRolloutManager`;
-  2. segment iterations run until P prompt groups are complete: every unfinished response is continued
-     from prompt + its tokens so far, at most `token_budget` new tokens per iteration, each token keeping
-     the behaviour log-prob and the policy version that produced it;
-  3. the oldest P complete groups are rebuilt as a batch with grpo_train's shape: P*G rows, group g in rows
-     [g*G, (g+1)*G) -- the same blocks grpo_train's own baseline/std code groups by (it groups by the
-     step's original prompt tokens, which are constant on each block of G rows);
-  4. that batch goes through the ORIGINAL `run_multi_turn_rollout` with a replay generation backend that
-     returns the finished responses: rewards, environment observations, truncation flags and metrics are
-     computed by upstream code, and each response becomes one assistant message whose
-     `generation_logprobs` are its per-token behaviour log-probs (segment by segment);
-  5. with `stale_segments: exclude`, the tokens sampled by older policies are split into an assistant
-     message without `generation_logprobs`, which grpo_train masks out of the loss.
-Validation runs (grpo's `validate`) are generated to completion in budget-sized segments of one policy.
-
-Everything that touches NeMo-RL objects is imported lazily; the conversions between those objects' shapes
-(`GenerationDatumSpec`, `GenerationOutputSpec`, message logs) and our segments are plain functions in
-`bapo_nemo.nemo.segment_io`.
+`install_partial_rollouts(master_config)`, before `setup()`, sets `policy.generation.max_new_tokens` to the
+`token_budget` and replaces `nemo_rl.algorithms.grpo.run_multi_turn_rollout` with a wrapper: it runs
+segment iterations until a step's P prompt groups are complete and passes them, in grpo_train's batch
+shape, through the original function with a replay generation backend. `hook.attach(train_calls,
+checkpoint_hooks)` adds versions, checkpointed state and the ledger. nemo_rl is imported lazily.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Every place the adapter touches NeMo-RL, and the proof that each is still on its call path.
 
-`SEAMS` below is the one table: what we wrap, replace, subclass or call privately, why, where upstream
-calls it, and how we know it is live. Before Ray starts, `verify_seams(config)` reads the installed
-NeMo-RL's source (its AST, not its version string) and refuses the run, one line per broken seam, when a
-seam this config needs is off the call path: a wrapped method upstream no longer calls, a module name it
-no longer looks up as a global, a return shape that changed. What can only be known later (a checkpoint
-finalised by a path our hook does not see) is checked by `checkpoint_hooks.CheckpointHooks.check` at the
-first moment the hook must have fired.
-Each seam that a layer of the driver touches names it (`layers`, the names of `layers.LAYERS`).
-
-Why static checks: a wrapper upstream stops calling loses data in silence; it must stop the run before
-it starts instead.
+`SEAMS` is the one table: what we wrap, replace, subclass or call privately, why, where upstream calls it,
+how we know it is live, and the layers (`layers.LAYERS`) that touch it. A wrapper upstream stops calling
+loses data in silence, so before Ray starts `verify_seams(config)` reads the installed NeMo-RL's source
+(its AST) and refuses a run with a seam off the call path; what only the run can show is checked by
+`checkpoint_hooks.CheckpointHooks.check`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """`granularity: step`: one set of BAPO bounds per optimizer step, chosen on the driver.
 
-NeMo-RL calls the loss once per micro-batch, so a per-step search cannot happen inside the loss. The
-driver wraps `policy.train` (`StepBoundsTrainer`) and, for each optimizer step (global batch) of a
-train() call, searches the bounds over the whole global batch and ships them to the workers as
-per-sample tensors in the batch (`STEP_BOUNDS_KEYS`); BAPOLossFn uses them instead of searching.
-
-Cost, precisely:
-- optimizer step 1 of a train() call: free of GPU work. The log-probs of the current weights are the
-  `prev_logprobs` grpo_train computed just before train(); the search is one histogram pass over the
-  global batch on the driver CPU (one bincount per grid; no collective).
-- optimizer steps 2..k (several optimizer steps per rollout batch): the current log-probs are unknown
-  until the previous step is applied, so each costs one extra no-grad `policy.get_logprobs` pass over
-  that global batch (about a third of its forward+backward) and the train() call is split into k calls.
-  NeMo-RL's LR scheduler ticks once per train() call, so then it ticks once per optimizer step: express
-  warm-up/decay in optimizer steps.
-- `step_bounds_sample` (NemoBAPOOptions) cuts that pass: with 0 < f < 1 it runs over a random sample of
-  round(f x groups) of the global batch's prompt groups (grpo_train keeps each prompt's G samples in
-  consecutive rows), at least one, grown until its rows split evenly over the data-parallel ranks, and
-  the bounds searched on the sample clip the whole step; with 0 it does not run and the search uses
-  `prev_logprobs` (the weights at the start of the rollout batch).
+NeMo-RL calls the loss once per micro-batch, so `StepBoundsTrainer` wraps `policy.train`, searches each
+optimizer step's bounds over its whole global batch and ships them in the batch (`STEP_BOUNDS_KEYS`) for
+BAPOLossFn. The first step of a train() call uses grpo's `prev_logprobs` (no GPU work); each later one costs
+a no-grad `get_logprobs` pass (over a `step_bounds_sample` share of the groups) and its own train() call,
+so the LR scheduler ticks per optimizer step (docs/nemo_rl.md, "`granularity`").
 """
 
 from __future__ import annotations

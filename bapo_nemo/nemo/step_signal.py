@@ -1,17 +1,11 @@
-"""What a NeMo-RL training step had to learn from, logged like the embedded trainer logs it.
+"""What a NeMo-RL training step had to learn from, logged as the embedded trainer logs it.
 
-- `frac_reward_zero_std` (TRL's name): the share of the step's responses whose group had zero reward
-  spread. GRPO's advantage is a reward minus its group's baseline (mean or leave-one-out, optionally over
-  the std): a group whose rewards all tie gets exactly 0 on every token, and a group whose rewards differ
-  gets no all-zero response when rewards are 0/1. So it is read off the train batch on the driver, in
-  every loop (sync, async, partial rollouts): valid samples whose masked advantages are all 0, over the
-  valid samples. With groups of equal size this is the share of groups.
-- `bapo/rho`, `bapo/rho_initial`: BAPO's positive share P / (P + N) is 0 / 0 on tokens without advantage
-  mass (the search reports 1.0 there). The loss emits them weighted by the micro-batch's *signal* tokens
-  (A != 0, `loss_math.nemo_step_metrics`); here they are divided by the step's signal-token share, or
-  dropped when the step had none, so MLflow shows a gap instead of a 1.0 that means nothing.
-- After `ZeroSpreadWatch.steps` steps in a row with most groups tied, the driver says so once on stderr
-  and in the MLflow run's tag, as the embedded trainer does.
+- `frac_reward_zero_std` (TRL's name): the share of the step's valid responses whose masked advantages are
+  all 0 (their group's rewards tie), read off the train batch on the driver in every loop.
+- `bapo/rho`, `bapo/rho_initial`: the loss weights them by signal tokens (A != 0); here they are divided
+  by the step's signal share, or dropped without one (P / (P + N) is 0 / 0: a gap, not a 1.0).
+- `warn_on_zero_spread` (the embedded `ZeroSpreadWatch`): after its run of tied steps, one warning on stderr
+  and as an MLflow tag.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch
+from bapo_nemo.embedded.loop.step_metrics import ZERO_SPREAD_TAG, ZeroSpreadWatch
 from bapo_nemo.nemo.loss_math import PREFIX, SIGNAL_WEIGHTED_METRICS
 
 ZERO_SPREAD_METRIC = "frac_reward_zero_std"

@@ -33,7 +33,7 @@ def install_stop_signal(signum: int = signal.SIGUSR1) -> None:
 
 
 def signal_aware(timeout_checker_cls: type) -> type:
-    """A subclass of v0.7.0's TimeoutChecker whose check_save() is also True after the stop signal."""
+    """A subclass of NeMo-RL's TimeoutChecker whose check_save() is also True after the stop signal."""
 
     class SignalAwareTimeoutChecker(timeout_checker_cls):
         def check_save(self):

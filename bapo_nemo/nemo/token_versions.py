@@ -1,23 +1,9 @@
 """Per-token policy versions in async GRPO with in-flight weight updates (NeMo-RL v0.7.0 and main).
 
-What the engine tells us: nothing. vLLM's async engine streams each request's tokens and log-probs
-(`AsyncLLM.generate`, cumulative `RequestOutput`s) and applies a weight update between two decode steps
-without a word in the stream; NeMo-RL's worker keeps only a request's last output, and its collector
-stamps the whole trajectory with the version current when the trajectory started. The only place that
-sees both the stream and the update is the generation worker, so the record is made there:
-
-- worker side: NeMo-RL picks its vLLM worker class by name (`vllm_generation.resolve_generation_worker_cls`,
-  its quantisation seam). We put a generated subclass in its place, named after whichever class it
-  resolved (`versioned_worker_fqn`; this module's `__getattr__` builds it inside the worker's process).
-  The subclass wraps its engine's `generate` (streamed token counts per request) and its `*_async` weight
-  updates, with a `rollout.token_versions.VersionTracker`, and answers `take_token_versions()`.
-- driver side: `TokenVersions` counts the loop's refits (`grpo.refit_policy_generation`, a module global
-  of `async_grpo_train`, wrapped: each refit carries the policy version trained so far) and wraps
-  `policy.train`: before every step it takes the workers' records, gives each trained token the version
-  of the refit that produced it, adds `token_age_*` metrics to the step's train metrics and appends the
-  step's versions to `<log_dir>/token_versions.jsonl`. A worker that saw a different number of updates
-  than the loop made stops the run: a hook off the path would otherwise leave the metrics wrong in silence.
-
+vLLM's stream says nothing of weight updates, and NeMo-RL stamps a trajectory with its starting version,
+so the record is made in the generation worker: a generated subclass of whichever worker class NeMo-RL
+resolves (`versioned_worker_fqn`) counts streamed tokens and `*_async` updates. On the driver,
+`TokenVersions` maps refits to policy versions and logs `token_age_*` (docs/nemo_rl.md, "Metrics").
 Every nemo_rl import is inside a function: generation workers import this module in their own process.
 """
 

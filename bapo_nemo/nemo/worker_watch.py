@@ -1,17 +1,10 @@
 """A lost Ray worker ends the run at once, with one line naming it, the step and the checkpoint to resume.
 
-Why a watch: when one rank of a Megatron policy worker group dies in the middle of `train()`, the other
-ranks wait for it in a collective, and NeMo-RL's driver waits in `ray.get` on all of their results, a live
-(blocked) rank's first: nothing raises until a collective or keep-alive timeout (on CPU with NeMo-RL
-v0.7.0 the driver waited 481 s; NCCL's default is 30 minutes, on 64 GPUs). A generation worker's death
-raises at once in `ray.get`, as Ray's `ActorDiedError`, with a traceback that names only an actor id.
-
-`WorkerWatch` keeps one `__ray_ready__` call pending per worker of the run's worker groups (`Policy` and
-`VllmGeneration`: `worker_group.workers` and `.worker_metadata`, upstream's public properties). Ray fails
-that call with `ActorDiedError` as soon as the worker's process is gone, busy or not; an answered call is
-sent again at the next poll. On a death the watch interrupts the driver's main thread (`KeyboardInterrupt`
-where it waits in `ray.get`), and `RunFailure` turns that, or Ray's own error, into one line and exit code
-`WORKER_LOST_EXIT`. Exiting is what frees the other ranks: Ray ends a driver's actors with it.
+When one rank of a Megatron worker group dies in `train()`, its peers block in a collective and the
+driver in `ray.get` until a timeout (NCCL's default: 30 minutes). `WorkerWatch` keeps one `__ray_ready__`
+call pending per worker of `Policy` and `VllmGeneration`, which Ray fails as soon as the process is gone;
+it then interrupts the driver's main thread, and `RunFailure` exits with `WORKER_LOST_EXIT` and one line
+(exiting frees the other ranks: Ray ends a driver's actors with it).
 """
 
 from __future__ import annotations

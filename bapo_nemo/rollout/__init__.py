@@ -1,10 +1,10 @@
 """Partial rollouts and sample replay, framework-free (stdlib, pydantic, torch only).
+See docs/partial_rollouts.md.
 
-- `PartialRolloutManager`: responses generated in budgeted segments across iterations, each token tagged
-  with its policy version and behaviour log-prob; only complete prompt groups leave; JSON-checkpointable.
+- `PartialRolloutManager`: responses generated in budgeted segments, each token tagged with its policy
+  version and behaviour log-prob; only complete prompt groups leave; JSON-checkpointable.
 - `ReplayBuffer`: completed groups reused across optimizer steps under a staleness bound.
 - `split_minibatches`: several optimizer updates per rollout batch.
-See docs/partial_rollouts.md.
 """
 
 from bapo_nemo.lazy_exports import lazy_exports

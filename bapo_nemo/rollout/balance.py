@@ -1,12 +1,9 @@
-"""Row order for one batched generate call that feeds several inference engines.
+"""Row order for one batched generate call that feeds several vLLM engines.
 
-NeMo-RL v0.7.0's `VllmGeneration.generate` splits a call's rows into contiguous shards of
-ceil(n / engines) rows, one per vLLM engine, and returns when the slowest engine is done. Partial rollouts
-schedule the oldest groups first, so the first shards would get every resumed response with a long
-context (its prefill and its KV cache) and the last ones only fresh prompts: the call would wait for the
-engines holding the old responses. `balanced_order` deals the rows, longest context first, to the shards
-in turn, so every engine gets an equal share of long and short contexts (plan/simulation/generation.py measures
-what it saves; docs/cluster.md gives the figures).
+NeMo-RL's `VllmGeneration.generate` gives each engine a contiguous shard of ceil(n / engines) rows and
+waits for the slowest. Partial rollouts queue the oldest, longest-context responses first, so
+`balanced_order` deals the rows to the shards in turn, longest context first, giving every engine an
+equal mix of long and short contexts (docs/cluster.md section 7 has the simulated effect).
 """
 
 from __future__ import annotations

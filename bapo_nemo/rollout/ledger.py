@@ -1,17 +1,9 @@
 """What partial rollouts generated, durably, so a resume can count what a fault makes them generate again.
 
-After a fault the next attempt resumes from the newest complete checkpoint `step_K`: the responses in flight
-come back from its partial-rollout state, and whatever the dead attempt generated for steps after K is lost
-and generated again. The ledger is one JSON line per segment iteration (the step it generates for, tokens,
-segments), appended and fsync'd as it happens, in a file that outlives attempts (next to the checkpoints).
-
-A resume counts the generation lines of steps > K that no earlier resume counted, then appends a resume line
-with K. Replaying the file therefore counts every line at most once: after two faults in a row the second
-resume counts only what the second attempt generated; when a damaged newest checkpoint is skipped (K older
-than lines an earlier resume left as held by that checkpoint), those lines are counted then.
-
-A last line cut short by a kill is dropped before the next append; any other bad line is reported once,
-left in the file, and not counted.
+One fsync'd JSON line per segment iteration (the step it generates for, tokens, segments) in a file that
+outlives attempts; a resume from `step_K` counts the lines of steps > K no earlier resume counted and
+appends a resume line, so every line is counted at most once. A torn last line is dropped, any other bad
+line reported once and not counted. docs/partial_rollouts.md ("What a fault costs") has the rules.
 """
 
 from __future__ import annotations

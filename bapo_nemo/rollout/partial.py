@@ -1,12 +1,10 @@
-"""Partial rollouts: long responses are generated in segments of at most `token_budget` tokens per
-iteration, carried over between iterations, and continued by the newer policy (Kimi k1.5 section 2.6.2).
+"""Partial rollouts (Kimi k1.5 section 2.6.2): long responses are generated in segments of at most
+`token_budget` tokens per iteration, carried over, and continued by the newer policy.
 
-Every generated token keeps the policy version and the behaviour log-prob that produced it (AReaL's
-`output_versions` is the precedent), so the loss can importance-weight it against the policy that really
-sampled it. Only complete prompt groups leave the manager (GRPO baselines need every sample of a prompt).
-The whole state is JSON and is saved with each checkpoint, so in-flight segments survive a restart.
-
-Framework-free on purpose: the embedded trainer and the NeMo-RL hook drive it with their own generators.
+Every token keeps the policy version and behaviour log-prob that produced it, so the loss can weight it
+against the policy that really sampled it; only complete prompt groups leave (GRPO baselines need all of
+them); the state is JSON, saved with each checkpoint. Framework-free: the embedded trainer and the
+NeMo-RL hook drive it with their own generators.
 """
 
 from __future__ import annotations

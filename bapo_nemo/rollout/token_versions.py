@@ -1,21 +1,10 @@
-"""Which policy produced each token, when weights change while a response is being generated.
+"""Which policy produced each token when weights change while a response is generated (async GRPO with
+in-flight weight updates); NeMo-RL records one version per trajectory, the one at its start.
 
-Async GRPO with in-flight weight updates lands a new policy between two decode steps of running requests
-(vLLM's engine applies the update between steps and keeps the KV cache): one response's tokens then come
-from several policies. NeMo-RL records one `generation_weight_version` per trajectory, the version when
-its generation started, so its age per trajectory overstates how old the newer tokens are. BAPO's ratio
-uses the per-token behaviour log-probs and is right either way; the staleness record is what this fixes.
-
-Two halves, both free of NeMo-RL and vLLM:
-- `VersionTracker` runs beside a generation engine: it sees each request's streamed token count and each
-  weight update, and returns, per finished request, its per-token update counts as runs
-  `[[first_token_index, updates_applied], ...]`, keyed by a fingerprint of (prompt tokens, response tokens).
-- `VersionIndex` runs on the trainer's side: it joins those records with the rows of a training batch
-  (each generated segment is a maximal run of `token_mask`, its context the tokens before it): each row's
-  generated tokens as spans `[[length, update_count], ...]`, UNKNOWN (-1) where no record matches.
-
-Versions are counted in engine weight updates (0: the weights the engine loaded itself); the trainer maps
-update k to its policy version (NeMo-RL's async loop: the first update carries the resumed step's weights).
+- `VersionTracker`, beside a generation engine: per finished request, runs `[[first_token_index,
+  updates_applied], ...]`, keyed by a fingerprint of (prompt tokens, response tokens).
+- `VersionIndex`, on the trainer's side: joins them with a batch's rows as spans `[[length, update_count],
+  ...]`, UNKNOWN (-1) where no record matches. Free of NeMo-RL and vLLM; docs/nemo_rl.md has the metrics.
 """
 
 from __future__ import annotations

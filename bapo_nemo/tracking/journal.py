@@ -1,15 +1,9 @@
-"""The fsync'd journal of one MLflow run: what was logged, in order, and how much of it the server accepted.
+"""The fsync'd journal of one MLflow run: what was logged, in order, and how much the server accepted.
 
-Files in the journal directory, per run:
-
-- ``<run_id>.jsonl``: one JSON record per line, each with a sequence number ``seq``; appended and fsync'd
-  before the record is sent.
-- ``<run_id>.cursor``: the ``seq`` of the last record the server accepted; everything up to it is done.
-- ``<run_id>.artifacts/``: copies of files waiting to be uploaded (the caller may change its own).
-- ``<run_id>.rejected.jsonl``: records the server refused for good, with the error (kept).
-- ``<run_id>.superseded.jsonl``: metric records of steps a resumed run computes again (kept).
-
-The queue is strictly ordered: a record is acknowledged only with every record before it.
+Per run: `<run_id>.jsonl` (records with a sequence number `seq`, appended and fsync'd before sending),
+`<run_id>.cursor` (the last `seq` accepted), `<run_id>.artifacts/` (copies waiting for upload),
+`<run_id>.rejected.jsonl` and `<run_id>.superseded.jsonl` (refused records, and metrics a resumed run
+recomputes; both kept). Strictly ordered: a record is acknowledged only with every record before it.
 """
 
 from __future__ import annotations

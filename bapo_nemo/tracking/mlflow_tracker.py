@@ -1,25 +1,10 @@
-"""MLflow tracking that never stalls or loses a training run.
+"""MLflow tracking that never stalls or loses a training run (docs/tracking.md, "Outages").
 
-Every record (metrics, params, tags, tables, artifacts, the final status) is first appended to an
-fsync'd JSONL journal ``<buffer_dir>/<run_id>.jsonl`` and then sent. A cursor file holds the sequence
-number of the last record the server accepted, so a replay resumes exactly after it (no duplicates);
-metrics also keep the timestamp they were logged with, and MLflow's SQL store drops an identical
-(key, step, timestamp, value) row, so a record whose acknowledgement was lost is not duplicated either.
-When the server is unreachable the tracker stops trying for ``retry_interval_s`` (so a dead server costs
-one short timeout per interval, not one per step) and keeps journaling; ``flush()`` replays. A process
-that dies with records still journaled replays them the next time a tracker opens the same run id.
-
-Records the server rejects for good (e.g. an invalid value) move to ``<run_id>.rejected.jsonl`` with the
-error, so one bad record cannot block the queue and nothing is silently dropped. The journal's files are
-``bapo_nemo.tracking.journal``'s.
-
-A ``sendable_step`` gate holds metric records of later steps on disk until it allows them (NeMo-RL runs
-send a step only once a checkpoint covers it, see ``tracking.nemo_rl``); the queue stays in order, so a
-held record holds the records after it.
-
-Secrets never leave: params, tags, the run and experiment names and every message naming the tracking
-URI go through ``bapo_nemo.tracking.redact``. A new sqlite store is created under a lock beside it, so two
-runs starting at once never run MLflow's schema migrations into one file together.
+Every record is appended to the fsync'd journal (`tracking.journal`) and then sent; a cursor makes replays
+resume exactly after the last accepted record. An unreachable server is retried every `retry_interval_s`
+while journaling goes on; rejected records move aside so they cannot block the queue; a `sendable_step`
+gate holds later steps on disk (NeMo-RL: until a checkpoint covers them). Secrets go through
+`tracking.redact`.
 """
 
 from __future__ import annotations

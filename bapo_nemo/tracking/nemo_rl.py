@@ -1,27 +1,10 @@
-"""MLflow for NeMo-RL runs (v0.7.0 and main), through NeMo-RL's own ``MLflowLogger`` (nemo_rl/utils/logger.py).
+"""MLflow for NeMo-RL runs (v0.7.0 and main), through NeMo-RL's own `MLflowLogger` (docs/tracking.md).
 
-A driver calls, around ``nemo_rl.algorithms.grpo.setup``::
-
-    config = prepare_logger_config(config)          # before setup(): turns MLflow on, resumes the run id
-    (policy, ..., logger, ...) = setup(MasterConfig(**config), ...)
-    tracker = after_setup(config, logger)            # after setup(): our tags, params, artifacts, journal
-    grpo_train(...)
-    finish_nemo_tracking(tracker)                    # a clean end: send what no checkpoint covers
-
-What each step adds to v0.7.0's logger:
-
-- ``logger.mlflow.tracking_uri`` defaults to ``sqlite:///<logger.log_dir>/mlflow.db``; a plain file store
-  is refused (NeMo-RL's metric names contain ``/``).
-- The run id is kept in ``<checkpointing.checkpoint_dir>/mlflow_run.json``; when that directory holds a
-  checkpoint, the run id is put into ``logger.mlflow.run_id`` so a restarted job continues the same run.
-- Secrets in the config never reach MLflow: NeMo-RL logs the whole config with ``log_hyperparams``, so
-  that method is wrapped to redact values first.
-- After setup, the logger's ``log_metrics``/``log_plot`` go through :class:`MlflowTracker`'s journal, so an
-  MLflow outage no longer stops training (NeMo-RL calls ``mlflow.log_metrics`` directly, which raises).
-  With checkpointing on, the journal is ``<checkpoint_dir>/mlflow_journal`` (found by every attempt of a
-  requeued job) and a step's metrics are sent once a complete checkpoint ``step_K`` with K >= step exists:
-  NeMo-RL logs a step's first metrics before its checkpoint, so an attempt that dies in between would
-  otherwise leave points that the resumed attempt logs again.
+    config = prepare_logger_config(config)   # before setup(): MLflow on, sqlite default, run id resumed
+    ... = setup(MasterConfig(**config), ...)
+    tracker = after_setup(config, logger)     # after setup(): tags, params, artifacts, the journal
+    grpo_train(...); finish_nemo_tracking(tracker)
+A step's metrics are sent once a complete checkpoint covers it; `log_hyperparams` is wrapped to redact.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Flattening of nested configs into MLflow params, and redaction of secrets before anything leaves the
-process. A key is secret when its last word is a secret word (``hf_token``, ``api_key``, ``db_password``)
-or it contains an unambiguous one anywhere (``secret``, ``password``, ``credential``); values that look
-like well-known token formats or URLs with a password are redacted whatever their key.
+"""Flattening of nested configs into MLflow params, and redaction of secrets before anything leaves
+the process.
 
-One mechanism for everything a run writes or uploads: ``redact_nested`` for structured records (JSON and
-YAML files, params, tags), ``redact_text`` for free text (log lines, error messages, names), and
-``RedactingFilter`` on log handlers."""
+A key is secret when its last word is a secret word (`hf_token`, `api_key`) or it contains an unambiguous
+one (`secret`, `password`, `credential`); values that look like known token formats or URLs with a
+password are redacted whatever their key. `redact_nested` for structured records, `redact_text` for free
+text, `RedactingFilter` for log handlers."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""What the report says about the numbers it draws, from a run's logged series: the sample behind a
-held-out point and its interval (`heldout_points`), the tokens BAPO's positive share was measured over
-(`counted_tokens`), and the comparison of runs in words (`comparison_lines`).
-
-Held-out avg@k is the mean over n prompts of each prompt's mean reward over k samples, so prompts are the
-unit: the interval is +-1.96 standard errors of that mean over prompts, from `eval/avg_at_k_stderr` (the
-embedded trainer logs it). A run that logged the sample size but not the standard error (an older run)
-gets the widest that n prompts allow for rewards in [0, 1]: sqrt(p (1 - p) / n) bounds the standard error
-of a mean of n values in [0, 1] with mean p. Without either, a point has no interval and says so.
+"""What the report says about the numbers it draws: each held-out point's sample and interval
+(`heldout_points`), the tokens BAPO's positive share was measured over (`counted_tokens`), and the
+comparison of runs in words (`comparison_lines`). Held-out avg@k's unit is the prompt: the interval is
++-1.96 standard errors over prompts (`eval/avg_at_k_stderr`); a run with only the sample size gets the
+widest interval n prompts allow for rewards in [0, 1] (sqrt(p (1 - p) / n)); with neither, no interval.
 """
 
 from __future__ import annotations

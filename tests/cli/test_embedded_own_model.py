@@ -29,12 +29,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.data import DataError, load_data, math_verify_reward
-from bapo_nemo.embedded.evaluation import encode_prompt
-from bapo_nemo.embedded.startup_problems import StartupError
-from bapo_nemo.embedded.task_source import task_source
-from bapo_nemo.embedded.trainer import train
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.data.user_data import DataError, load_data, math_verify_reward
+from bapo_nemo.embedded.loop.evaluation import encode_prompt
+from bapo_nemo.embedded.run.startup_problems import StartupError
+from bapo_nemo.embedded.run.task_source import task_source
+from bapo_nemo.embedded.run.trainer import train
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 
@@ -244,7 +244,7 @@ def test_dataset_rewards_go_through_math_verify_bundled_tasks_keep_the_arithmeti
 
     bundled = load_config(None, ["runtime.progress=false"])
     _, _, _, arithmetic = task_source(bundled, tok, 256)
-    from bapo_nemo.embedded.tasks import Task
+    from bapo_nemo.embedded.data.tasks import Task
 
     assert arithmetic("7+5=12;#12", Task("t", "7+5?", "12")) == 1.0
     assert arithmetic("\\boxed{12}", Task("t", "7+5?", "12")) == 0.0
@@ -367,7 +367,7 @@ def test_cuda_bf16_autocast_gradient_checkpointing_end_to_end(tmp_path):
 def test_prepare_model_bf16_autocast_and_gradient_checkpointing(tmp_path):
     """Autocast makes the forward's matmuls bf16 (weights stay fp32); checkpointing is switched on; both
     are applied again to a copy loaded from disk (as on resume)."""
-    from bapo_nemo.embedded.model import prepare_model
+    from bapo_nemo.embedded.model.policy import prepare_model
 
     model_dir = save_tiny_model("qwen2", tmp_path)
     ids = torch.tensor([[1, 5, 7, 9]])
@@ -516,7 +516,7 @@ def save_bundled_tokenizer_model(where: Path) -> Path:
     """A Qwen2 model saved with the bundled character tokenizer beside it, as a user would make one: its
     config.json says qwen2, so transformers 5 loads that tokenizer as Qwen2Tokenizer, which drops letters
     and spaces instead of mapping them to <unk>."""
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -661,8 +661,8 @@ def test_a_reward_of_ones_own_named_module_function_grades_the_run(tmp_path):
 
 
 def test_a_reward_that_cannot_be_used_is_one_error_naming_data_reward(tmp_path, monkeypatch):
-    from bapo_nemo.embedded.rewards import reward_function
-    from bapo_nemo.embedded.tasks import Task
+    from bapo_nemo.embedded.data.rewards import reward_function
+    from bapo_nemo.embedded.data.tasks import Task
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the module's directory is added while resolving it

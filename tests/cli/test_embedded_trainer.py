@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bapo_nemo.embedded.checkpoint import complete_checkpoints
-from bapo_nemo.embedded.config import load_config
-from bapo_nemo.embedded.resume import ResumeError
-from bapo_nemo.embedded.trainer import train
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.output.checkpoint import complete_checkpoints
+from bapo_nemo.embedded.run.resume import ResumeError
+from bapo_nemo.embedded.run.trainer import train
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 
@@ -308,7 +308,7 @@ def test_replay_proximal_reference_stale_downweight_and_jsonl_tasks(tmp_path):
     """The other loss/rollout modes run end to end: replayed groups join the batch, the ratio is taken
     against recomputed proximal log-probs, stale segments are down-weighted, the bound search runs per
     micro-batch, and tasks come from JSONL files."""
-    from bapo_nemo.embedded.tasks import TaskGenerator
+    from bapo_nemo.embedded.data.tasks import TaskGenerator
 
     train_rows = [
         {"question": t.question, "answer": t.answer, "solution": t.solution}
@@ -343,8 +343,8 @@ def test_step_share_skips_updates_without_advantage_signal_and_lengths_split_by_
     """A mini-batch whose groups all got one reward has zero advantage: P = N = 0, reported as rho = 1.
     The step's share averages only the updates with signal, and a step with none logs no share; right and
     wrong lengths are logged apart; frac_reward_zero_std counts the fresh groups whose rewards all agree."""
-    from bapo_nemo.embedded.rl_step import StepOutcome
-    from bapo_nemo.embedded.step_metrics import frac_reward_zero_std, step_metrics
+    from bapo_nemo.embedded.loop.rl_step import StepOutcome
+    from bapo_nemo.embedded.loop.step_metrics import frac_reward_zero_std, step_metrics
     from bapo_nemo.rollout import Rollout, RolloutGroup
 
     def rollout(n_tokens):
@@ -388,10 +388,10 @@ def test_a_run_whose_reward_never_matches_warns_logs_no_rho_and_ends_with_what_t
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bapo_nemo.embedded.evaluation import encode_prompt
-    from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG
-    from bapo_nemo.embedded.tasks import TaskGenerator
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.data.tasks import TaskGenerator
+    from bapo_nemo.embedded.loop.evaluation import encode_prompt
+    from bapo_nemo.embedded.loop.step_metrics import ZERO_SPREAD_TAG
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     rows = [{"question": t.question, "answer": t.answer.zfill(40), "solution": t.solution}
             for t in TaskGenerator(seed=5, max_ops=2).sample(48)]

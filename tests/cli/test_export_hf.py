@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from bapo_nemo.algorithm import BAPOConfig
 from bapo_nemo.cli import main as cli_main
-from bapo_nemo.embedded.checkpoint import save_checkpoint
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
+from bapo_nemo.embedded.output.checkpoint import save_checkpoint
 from bapo_nemo.export.checkpoint import ExportError, resolve_checkpoint, validate_embedded
 from bapo_nemo.export.hf import export_embedded
 from bapo_nemo.export.parity import compare

@@ -70,8 +70,8 @@ def test_the_bundled_model_loads_offline_answers_and_saves(tmp_path, monkeypatch
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bapo_nemo.embedded.config import load_config
-    from bapo_nemo.embedded.model import load_policy
+    from bapo_nemo.embedded.config.run_config import load_config
+    from bapo_nemo.embedded.model.policy import load_policy
 
     monkeypatch.setenv("HF_ENDPOINT", CLOSED_ENDPOINT)
     cfg = load_config(write_config(tmp_path, with_(policy={"model_name": "smollm2-135m-instruct"})), [])

@@ -96,7 +96,7 @@ _HELD_LOCKS: list = []
 
 
 def _locked(tmp: Path) -> list[str]:
-    from bapo_nemo.embedded.run_lock import OutputDirLock
+    from bapo_nemo.embedded.run.run_lock import OutputDirLock
 
     # this test process holds the lock, as a first `bapo-nemo train` would
     _HELD_LOCKS.append(OutputDirLock(tmp / "out").acquire())
@@ -129,7 +129,7 @@ def _own_model(vocab_size: int, with_tokenizer: bool) -> Callable[[Path], list[s
     def setup(tmp: Path) -> list[str]:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        from bapo_nemo.embedded.tokenizer import load_tokenizer
+        from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
         config = Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96)
@@ -336,8 +336,8 @@ def test_exported_model_answers_through_the_public_path(trained, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bapo_nemo.embedded.evaluation import encode_prompt
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.loop.evaluation import encode_prompt
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     out = tmp_path / "export"
     assert bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path).returncode == 0
@@ -365,8 +365,8 @@ def test_the_export_and_hf_final_say_how_to_prompt_them_and_hold_no_local_path(t
 
     from transformers import AutoTokenizer
 
-    from bapo_nemo.embedded.evaluation import encode_prompt
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.loop.evaluation import encode_prompt
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     out = tmp_path / "export"
     done = bapo_nemo("export", str(trained), "--out", str(out), cwd=tmp_path)

@@ -120,7 +120,7 @@ def test_sigterm_during_the_end_of_run_work_finishes_and_closes_the_run(tmp_path
     to die on it with the MLflow run left RUNNING; now the run is finished first and marked FINISHED."""
     cfg = write_config(tmp_path, with_(grpo={"max_num_steps": 1}, warmup={"steps": 1}))
     barrier = Barrier(tmp_path / "barrier")
-    proc = _start(barrier, "bapo_nemo.embedded.trainer:_log_training_plot", "train", str(cfg), "--output-dir", "out",
+    proc = _start(barrier, "bapo_nemo.embedded.run.trainer:_log_training_plot", "train", str(cfg), "--output-dir", "out",
                   "--json", cwd=tmp_path)
     try:
         _until(lambda: barrier.arrived() == {proc.pid}, "the run is in its end-of-run work", [proc])

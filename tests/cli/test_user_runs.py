@@ -238,9 +238,9 @@ def test_a_full_disk_while_saving_the_trainer_state_says_so(small_disk, tmp_path
     holds the moments (2W) and does not fit, so the save fails in torch.save of the trainer state, which used
     to say "unexpected pos N vs M". Now: one line saying the disk is full, the run marked FAILED, step_0
     intact, no step_1 or partial directory left."""
-    from bapo_nemo.embedded.config import load_config
-    from bapo_nemo.embedded.model import build_model
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.config.run_config import load_config
+    from bapo_nemo.embedded.model.policy import build_model
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     data = with_(model={"hidden_size": 64, "intermediate_size": 256, "num_layers": 2, "num_heads": 2,
                         "num_kv_heads": 1},

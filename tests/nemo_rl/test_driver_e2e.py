@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bapo_nemo.embedded.tokenizer import build_tokenizer
+from bapo_nemo.embedded.model.tokenizer import build_tokenizer
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.nemo_tiny_config import data_env_logger

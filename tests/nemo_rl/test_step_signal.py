@@ -13,7 +13,7 @@ def test_three_tied_steps_warn_once_on_stderr_and_in_the_mlflow_run(tmp_path, ca
     from mlflow.tracking import MlflowClient
     from nemo_rl.utils.logger import Logger
 
-    from bapo_nemo.embedded.step_metrics import ZERO_SPREAD_TAG
+    from bapo_nemo.embedded.loop.step_metrics import ZERO_SPREAD_TAG
     from bapo_nemo.nemo.step_signal import warn_on_zero_spread
     from bapo_nemo.tracking.nemo_rl import RUN_FILE, after_setup, prepare_logger_config
     from tests.support.nemo_tracking import v070_config

@@ -568,7 +568,7 @@ def test_a_dead_driver_step_fails_the_job_without_requeue(slurm, tmp_path):
 WORKER_LOST_PYTHON = """#!/bin/sh
 if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ "$1 $2 $3" = "-m bapo_nemo.cli train" ]; then
   shift 2
-  "$REAL_PYTHON" "$BAPO_REPO/tests/support/barrier.py" bapo_nemo.embedded.checkpoint:_prune "$BARRIER" "$@" &
+  "$REAL_PYTHON" "$BAPO_REPO/tests/support/barrier.py" bapo_nemo.embedded.output.checkpoint:_prune "$BARRIER" "$@" &
   trainer=$!
   until ls "$BARRIER"/arrived-* >/dev/null 2>&1; do
     kill -0 "$trainer" 2>/dev/null || { wait "$trainer"; exit $?; }

@@ -37,10 +37,10 @@ COMMAND = [sys.executable, "-m", "bapo_nemo.cli"]
 # What the server imports before it forks: what a `bapo-nemo` call spends its start-up on.
 _PRELOAD = [
     "bapo_nemo.cli",
-    "bapo_nemo.embedded.train_cli",
-    "bapo_nemo.embedded.trainer",
-    "bapo_nemo.embedded.model",
-    "bapo_nemo.embedded.checkpoint",
+    "bapo_nemo.embedded.run.train_cli",
+    "bapo_nemo.embedded.run.trainer",
+    "bapo_nemo.embedded.model.policy",
+    "bapo_nemo.embedded.output.checkpoint",
     "bapo_nemo.tracking.mlflow_tracker",
     "mlflow",
     "bapo_nemo.export.cli",

@@ -48,7 +48,7 @@ from nemo_rl.models.policy.interfaces import ColocatablePolicyInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from bapo_nemo.embedded.tokenizer import build_tokenizer
+from bapo_nemo.embedded.model.tokenizer import build_tokenizer
 
 # Plain concatenation: the tiny tokenizer has no chat template of its own.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -172,7 +172,7 @@ def write_rehearsal_model(directory: Path, positions: int, seed: int = 0) -> Pat
     the shipped models belong to) and the warm-started weights in one-process form."""
     from transformers import Qwen2Config
 
-    from bapo_nemo.embedded.tokenizer import build_tokenizer
+    from bapo_nemo.embedded.model.tokenizer import build_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from bapo_nemo.algorithm import search_clip_bounds
-from bapo_nemo.embedded.config import RunConfigError, load_config, validate_config
-from bapo_nemo.embedded.resume import config_differences
+from bapo_nemo.embedded.config.run_config import RunConfigError, load_config, validate_config
+from bapo_nemo.embedded.run.resume import config_differences
 from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 
@@ -106,7 +106,7 @@ def test_config_differences_ignore_only_harmless_keys():
 
 
 def test_resume_treats_a_key_added_since_the_checkpoint_as_its_default():
-    from bapo_nemo.embedded.config import RunConfig
+    from bapo_nemo.embedded.config.run_config import RunConfig
 
     current = RunConfig().to_dict()
     saved = RunConfig().to_dict()
@@ -133,8 +133,8 @@ def _key_table() -> dict[str, str]:
 
 
 def test_key_table_covers_every_key_of_the_schema():
-    from bapo_nemo.embedded.config import RunConfig
-    from bapo_nemo.embedded.config_keys import all_keys
+    from bapo_nemo.embedded.config.key_names import all_keys
+    from bapo_nemo.embedded.config.run_config import RunConfig
 
     table = _key_table()
     sections = {k for k in all_keys(RunConfig) for other in all_keys(RunConfig) if other.startswith(k + ".")}
@@ -151,7 +151,7 @@ def test_key_table_covers_every_key_of_the_schema():
 
 def test_every_counterpart_the_table_names_exists_in_nemo_rl_v070():
     from bapo_nemo.algorithm.options import BAPOBlock
-    from bapo_nemo.embedded.config import LossFnConfig, RunConfig
+    from bapo_nemo.embedded.config.run_config import LossFnConfig, RunConfig
     from bapo_nemo.plan.rules.config_io import load_nemo_config
     from bapo_nemo.plan.rules.schema import OWN_SECTIONS, known_keys
     from bapo_nemo.rollout import PartialRolloutConfig
@@ -222,24 +222,60 @@ train: {max_steps: 5, updates_per_batch: 2}
 """
 
 
-def test_a_config_with_the_old_names_is_refused_with_each_new_name(tmp_path):
-    """As a user runs it: `bapo-nemo train old.yaml` exits 2 with one line per old key naming its new key,
-    before any training; an old override key is refused the same way."""
+NEW_STYLE = """\
+grpo: {seed: 3, num_generations_per_prompt: 4, max_num_steps: 5}
+partial_rollouts: {token_budget: 8, max_response_tokens: 40}
+loss_fn:
+  bapo: {rho0: 0.5}
+policy:
+  optimizer: {kwargs: {lr: 0.001, betas: [0.8, 0.95]}}
+train: {updates_per_batch: 2}
+"""
+OLD_TO_NEW = (("seed", "grpo.seed"), ("rollout.group_size", "grpo.num_generations_per_prompt"),
+              ("rollout.partial", "partial_rollouts"), ("loss.bapo", "loss_fn.bapo"),
+              ("optim.lr", "policy.optimizer.kwargs.lr"), ("optim.beta1", "policy.optimizer.kwargs.betas"),
+              ("optim.beta2", "policy.optimizer.kwargs.betas"), ("train.max_steps", "grpo.max_num_steps"))
 
+
+def test_a_config_with_the_old_names_is_the_same_config_with_one_deprecation_warning_per_old_key(tmp_path):
     (tmp_path / "old.yaml").write_text(OLD_STYLE)
-    run = cli_process.run("train", "old.yaml", cwd=tmp_path, env=cli_process.cli_env(), timeout=HANG_GUARD_S)
-    assert run.returncode == 2 and not (tmp_path / "runs").exists()
+    (tmp_path / "new.yaml").write_text(NEW_STYLE)
+    with pytest.warns(FutureWarning) as caught:
+        old = load_config(tmp_path / "old.yaml")
+    assert old.to_dict() == load_config(tmp_path / "new.yaml").to_dict()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == len(OLD_TO_NEW)
+    for (old_key, new_key), message in zip(OLD_TO_NEW, messages):
+        assert message.startswith(f"{tmp_path / 'old.yaml'}: {old_key}: renamed to {new_key}"), message
+        assert "read until bapo-nemo 0.3" in message and "docs/embedded.md#config-keys" in message
+    assert not any("updates_per_batch" in m for m in messages)  # kept its name
+
+
+def test_an_old_override_key_sets_its_new_key_and_one_whose_value_changed_form_is_refused():
+    with pytest.warns(FutureWarning, match=r"'train\.max_steps=3': train\.max_steps: renamed to grpo\.max_num_steps"):
+        config = load_config(REPO / "configs" / "local_cpu.yaml", ["train.max_steps=3"])
+    assert config.grpo.max_num_steps == 3
+    with pytest.raises(RunConfigError, match=r"'optim\.beta1=0\.8'.*renamed to policy\.optimizer\.kwargs\.betas "
+                                             r"\(a pair: \[beta1, beta2\]\)"):
+        load_config(REPO / "configs" / "local_cpu.yaml", ["optim.beta1=0.8"])
+
+
+def test_an_old_key_beside_its_new_key_is_an_error_naming_both(tmp_path):
+    (tmp_path / "both.yaml").write_text("seed: 3\ngrpo: {seed: 4}\n")
+    with pytest.raises(RunConfigError, match=r"seed and grpo\.seed are both set: .*keep grpo\.seed only"):
+        load_config(tmp_path / "both.yaml")
+
+
+def test_the_train_command_prints_each_deprecation_as_one_warning_line(tmp_path):
+    """As a user runs it; runtime.device=cuda ends the command (no GPU here) right after the config is read."""
+    (tmp_path / "old.yaml").write_text(OLD_STYLE)
+    run = cli_process.run("train", "old.yaml", "runtime.device=cuda", cwd=tmp_path, env=cli_process.cli_env(),
+                          timeout=HANG_GUARD_S)
     lines = run.stderr.splitlines()
-    for old, new in (("seed", "grpo.seed"), ("rollout.group_size", "grpo.num_generations_per_prompt"),
-                     ("rollout.partial", "partial_rollouts"), ("loss.bapo", "loss_fn.bapo"),
-                     ("optim.lr", "policy.optimizer.kwargs.lr"),
-                     ("optim.beta1", "policy.optimizer.kwargs.betas"),
-                     ("train.max_steps", "grpo.max_num_steps")):
-        assert any(line.startswith(f"  {old}: renamed to {new}") for line in lines), (old, run.stderr)
-    assert not any("train.updates_per_batch" in line for line in lines)  # kept its name
-    assert "docs/embedded.md#config-keys" in run.stderr and "Traceback" not in run.stderr
-    with pytest.raises(RunConfigError, match=r"'train\.max_steps=3'.*renamed to grpo\.max_num_steps"):
-        load_config(REPO / "configs" / "local_cpu.yaml", ["train.max_steps=3"])
+    assert run.returncode == 2 and lines[-1].startswith("error: runtime.device=cuda but torch sees no CUDA GPU")
+    warned = [line for line in lines if line.startswith("warning: old.yaml: ")]
+    assert [line.split(": ")[2] for line in warned] == [old for old, _ in OLD_TO_NEW], run.stderr
+    assert "Traceback" not in run.stderr and "FutureWarning" not in run.stderr
 
 
 def test_a_checkpoint_written_with_the_old_names_resumes_under_the_new_ones():

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.model import build_model, token_logprobs_and_entropy
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.loop.generation import sample_continuations
+from bapo_nemo.embedded.model.policy import build_model, token_logprobs_and_entropy
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
 torch.set_num_threads(1)
 TOK = load_tokenizer()
@@ -105,7 +105,7 @@ def test_continuation_equals_one_uninterrupted_sample():
 def test_bundled_tokenizer_is_what_its_generator_writes(tmp_path):
     import json
 
-    from bapo_nemo.embedded.tokenizer import TOKENIZER_DIR, build_tokenizer, save_tokenizer
+    from bapo_nemo.embedded.model.tokenizer import TOKENIZER_DIR, build_tokenizer, save_tokenizer
 
     save_tokenizer(build_tokenizer(), tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -118,7 +118,7 @@ def test_bundled_tokenizer_is_what_its_generator_writes(tmp_path):
 
 
 def test_length_chunks_split_where_padding_would_dominate():
-    from bapo_nemo.embedded.generation import MIN_CHUNK_ROWS, length_chunks
+    from bapo_nemo.embedded.loop.generation import MIN_CHUNK_ROWS, length_chunks
 
     assert MIN_CHUNK_ROWS == 16  # the cases below are written for it
     # 20 contexts of 100 tokens and 40 of 20: one batch would pad 40 x 80 = 3200 of 5200 prefill tokens.
@@ -142,7 +142,7 @@ def test_chunked_prefill_then_one_decode_batch_scores_like_a_full_forward():
     long_ctx = [TOK.bos_token_id] + TOK.encode("3+4-1+2-5+6+1-3+2+2+4-1+5?", add_special_tokens=False)
     short_ctx = [TOK.bos_token_id] + TOK.encode("1?", add_special_tokens=False)
     contexts = [long_ctx] * 16 + [short_ctx] * 16
-    from bapo_nemo.embedded.generation import length_chunks
+    from bapo_nemo.embedded.loop.generation import length_chunks
 
     assert len(length_chunks([len(c) for c in contexts])) == 2
     outs = sample_continuations(
@@ -157,7 +157,7 @@ def test_grouped_query_attention_without_repeated_heads_computes_the_same_policy
     """`use_gqa_sdpa` (what `prepare_model` selects) leaves the key/value groups to PyTorch's SDPA instead
     of copying each KV head per query head: log-probs, gradients and samples must be those of
     transformers' own sdpa attention, for padded training rows and for left-padded decoding."""
-    from bapo_nemo.embedded.attention import use_gqa_sdpa
+    from bapo_nemo.embedded.model.attention import use_gqa_sdpa
 
     stock, grouped = build_model(CFG, TOK, seed=4), build_model(CFG, TOK, seed=4)
     use_gqa_sdpa(grouped)

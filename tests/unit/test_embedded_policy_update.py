@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bapo_nemo.algorithm import BAPOConfig
-from bapo_nemo.embedded.config import ModelConfig
-from bapo_nemo.embedded.grpo import TokenBatch, policy_update
-from bapo_nemo.embedded.model import build_model, token_logprobs_and_entropy
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.config.run_config import ModelConfig
+from bapo_nemo.embedded.loop.grpo import TokenBatch, policy_update
+from bapo_nemo.embedded.model.policy import build_model, token_logprobs_and_entropy
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
 
 def _stale_batch(model, n=12, seed=0) -> TokenBatch:
@@ -66,7 +66,7 @@ def _lengths_batch(lengths: list[int]) -> TokenBatch:
 
 
 def test_micro_batches_cut_where_padding_outweighs_a_call():
-    from bapo_nemo.embedded.grpo import MICRO_BATCH_CALL_TOKENS, length_sorted_micro_batches
+    from bapo_nemo.embedded.loop.grpo import MICRO_BATCH_CALL_TOKENS, length_sorted_micro_batches
 
     assert MICRO_BATCH_CALL_TOKENS == 32  # the costs below are written for it
     # One long row among seven short ones: padding them to 60 costs 7 x 50 = 350 tokens; a second call 32.

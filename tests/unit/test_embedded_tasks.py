@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from bapo_nemo.embedded.config import TaskConfig
-from bapo_nemo.embedded.tasks import (
+from bapo_nemo.embedded.config.run_config import TaskConfig
+from bapo_nemo.embedded.data.tasks import (
     Task,
     TaskFileError,
     TaskGenerator,
@@ -141,8 +141,8 @@ def test_jsonl_clean_file_gives_no_warning(tmp_path):
 
 
 def test_warmup_batch_ends_demonstrations_with_eos_except_the_cut_off_ones():
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
-    from bapo_nemo.embedded.warmup import sft_batch
+    from bapo_nemo.embedded.loop.warmup import sft_batch
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     ended = Task("a", "7+5?", "12", "7+5=12;#12")

@@ -12,8 +12,8 @@ import pytest
 # `experiments/` is a top-level directory of the repository, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import load_config
+from bapo_nemo.embedded.config.run_config import load_config
+from bapo_nemo.embedded.loop import warmup as warmup_io
 from experiments.grid import BASE_CONFIG, BUDGETS, STUDIES, expand, warmup_overrides
 
 

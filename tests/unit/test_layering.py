@@ -1,6 +1,8 @@
 """The package's layering points downwards only: algorithm/, rollout/ and tracking/ at the bottom;
 embedded/, export/ and plan/ above them; nemo/ on top. Inside plan/: rules/ at the bottom, simulation/
-above it, registry.py above both, precompute.py and check_cli.py (the `bapo-nemo check` command) on top. Read from the source's AST (module-level and
+above it, registry.py above both, precompute.py and check_cli.py (the `bapo-nemo check` command) on top. Inside
+embedded/, from the bottom: config/, model/, output/ (what a run writes), data/, loop/ (one RL step), run/ (the
+command and the run's lifecycle). Read from the source's AST (module-level and
 function-local imports alike), so a lazy import inside a function counts too."""
 
 from __future__ import annotations
@@ -120,3 +122,31 @@ def test_every_module_of_plan_sits_in_a_room():
     top = {p.stem for p in (PACKAGE / "plan").glob("*.py")} - {"__init__"}
     rooms = {p.name for p in (PACKAGE / "plan").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert top | rooms == set(PLAN_ROOMS)
+
+
+# The rooms of embedded/, bottom first: each imports only the rooms before it.
+EMBEDDED_ROOMS = ("config", "model", "output", "data", "loop", "run")
+
+
+def test_the_rooms_of_embedded_import_downwards_only():
+    embedded = PACKAGE / "embedded"
+    bad = []
+    for index, room in enumerate(EMBEDDED_ROOMS):
+        above = set(EMBEDDED_ROOMS[index + 1:])
+        files = sorted((embedded / room).rglob("*.py"))
+        assert files, f"no sources under bapo_nemo/embedded/{room}"
+        bad += [
+            f"{path.relative_to(PACKAGE.parent)}:{line} imports bapo_nemo.embedded.{target}"
+            for path in files
+            for target, line in sorted(imported_subpackages(path.read_text(), "bapo_nemo.embedded"))
+            if target in above
+        ]
+    assert not bad, f"embedded/'s rooms import downwards only ({' < '.join(EMBEDDED_ROOMS)}):\n" + "\n".join(bad)
+
+
+def test_every_module_of_embedded_sits_in_a_room():
+    """A module at embedded/'s top level would escape the order above: it goes into a room."""
+    embedded = PACKAGE / "embedded"
+    top = {p.stem for p in embedded.glob("*.py")} - {"__init__"}
+    rooms = {p.name for p in embedded.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert not top and rooms == set(EMBEDDED_ROOMS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from bapo_nemo.embedded.tokenizer import load_tokenizer
+from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 from bapo_nemo.export.parity import compare, read_reference_logprobs, token_logprobs
 from bapo_nemo.nemo.parity_recorder import parity_writer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_nemo.embedded.run_summary import look_commands
+from bapo_nemo.embedded.output.run_summary import look_commands
 
 RECORD = {"mlflow_tracking_uri": "sqlite:///runs/local_cpu/mlflow.db"}
 

@@ -1,10 +1,8 @@
-"""Rules of a NeMo-RL GRPO config for one cluster shape: what would otherwise fail (or silently misbehave)
-hours into a cluster job. Each finding names the key and the fix. Here: keys, the BAPO block, parallel
-sizes, batches, generation, the loss and checkpoints; the other blocks have their own `*_checks.py`.
-Every `*_rules` function is run through plan/registry.py (tests/unit/test_plan_registry.py holds it so).
-
-A config may be partial (e.g. a recipe's overrides): missing keys take v0.7.0's defaults from
-`examples/configs/grpo_math_1B.yaml` (`NEMO_DEFAULTS` in bapo_nemo/plan/rules/findings.py).
+"""Rules of a NeMo-RL GRPO config for one cluster shape: what would otherwise fail or silently misbehave hours
+into a cluster job; each finding names the key and the fix. Here: keys, the BAPO block, parallel sizes,
+batches, generation, the loss and checkpoints (other blocks: `*_checks.py`), all run through
+plan/registry.py. A partial config (a recipe's overrides) takes v0.7.0's defaults for missing keys
+(`NEMO_DEFAULTS` in findings.py, from `examples/configs/grpo_math_1B.yaml`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Load a NeMo-RL master config the way NeMo-RL v0.7.0 does, without importing nemo_rl.
 
-- `defaults:` inheritance: a path or list of paths relative to the file; parents merged in order, then
-  the file on top; a section marked `_override_: true` replaces the parent's section instead of merging.
-  A copied preset (`cp configs/bapo_32b.yaml mine.yaml`) names its parent by a bare name that is not beside
-  the copy: when none of its entries is beside it and all are shipped presets, they are read from the
-  shipped configs/ (`defaults_base`, with a one-line note); the NeMo-RL driver resolves them the same way.
-- resolvers `${mul:a,b}`, `${div:a,b}`, `${max:a,b}` (registered by NeMo-RL's run scripts).
+- `defaults:` inheritance (paths relative to the file, parents merged in order, `_override_: true`
+  replaces a section); a copied preset's bare parent names are read from the shipped configs/
+  (`defaults_base`);
+- resolvers `${mul:a,b}`, `${div:a,b}`, `${max:a,b}`;
 - Hydra-style overrides `a.b=1`, `+a.b=1` (add), `++a.b=1` (add or set), `~a.b` (delete).
 """
 

@@ -1,15 +1,6 @@
-"""The GPUs `bapo-nemo check --gpu` knows, from NVIDIA's data sheets (SXM parts). Tensor-core peaks are
-dense: the data sheets print them "with sparsity", twice the dense figure.
-
-- A100 80GB SXM (A100 Tensor Core GPU data sheet): BF16 624 TFLOPS with sparsity (312 dense), no FP8,
-  HBM2e 80 GB at 2,039 GB/s, NVLink 3 600 GB/s per GPU.
-- H100 SXM (H100 Tensor Core GPU data sheet): BF16 1,979 TFLOPS with sparsity, FP8 3,958; HBM3 80 GB at
-  3.35 TB/s; NVLink 4 900 GB/s.
-- H200 SXM (H200 Tensor Core GPU data sheet): H100's tensor cores; HBM3e 141 GB at 4.8 TB/s; NVLink 4
-  900 GB/s.
-- B200 (DGX B200 data sheet, 8 GPUs): 1,440 GB of HBM3e at 64 TB/s in all (180 GB and 8 TB/s per GPU);
-  FP8 72 PFLOPS with sparsity in all (4.5 PFLOPS dense per GPU), BF16 half of that (2.25 PFLOPS dense);
-  NVLink 5 1.8 TB/s per GPU.
+"""The GPUs `bapo-nemo check --gpu` knows (A100 80GB, H100, H200, B200), from NVIDIA's data sheets (SXM
+parts). Tensor-core peaks are dense: the data sheets print them "with sparsity", twice the dense figure.
+Each figure's source: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What a NeMo-RL config downloads from the Hugging Face Hub when its job starts (the policy's weights and
-tokenizer, the training and validation datasets), and their pre-fetch into HF_HOME for clusters whose
-compute nodes cannot reach the hub:
-
-    export HF_HOME=/shared/hf_cache          # the cache the job will read (docs/cluster.md)
-    python -m bapo_nemo.plan.rules.hub_assets configs/bapo_32b.yaml [--dry-run]
-
-Datasets are fetched with the very `datasets.load_dataset` call NeMo-RL v0.7.0 makes, so that an offline
-job (HF_HUB_OFFLINE=1) finds both the files and the prepared dataset in the cache; model repositories with
-`huggingface_hub.snapshot_download`.
+tokenizer, the datasets), and their pre-fetch into HF_HOME for compute nodes that cannot reach the hub
+(docs/cluster.md, "Hub access"): `python -m bapo_nemo.plan.rules.hub_assets CONFIG [--dry-run]`.
+Datasets are fetched with the very `datasets.load_dataset` call NeMo-RL v0.7.0 makes, so an offline job
+(HF_HUB_OFFLINE=1) finds the files and the prepared dataset; models with `snapshot_download`.
 """
 
 from __future__ import annotations

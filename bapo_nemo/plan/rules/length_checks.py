@@ -1,16 +1,7 @@
-"""Lengths and counts a NeMo-RL v0.7.0 config asks for that the run would cut without a word: each is an
-error naming the key asked, the key that binds and a value that works.
-
-- **Responses.** vLLM stops a sequence at `vllm_cfg.max_model_len`, prompt included, and the rollout at
-  `policy.max_total_sequence_length` (a sequence past it fails the rollout's own length assert). So
-  `generation.max_new_tokens` is honoured only when it fits after the longest prompt
-  (`data.max_input_seq_length`). `max_new_tokens` equal to `max_total_sequence_length` is NeMo-RL's own
-  default (`${policy.max_total_sequence_length}`): "until the context is full", not a request.
-- **Packing bins.** Every sequence, padded to `make_sequence_length_divisible_by` (sequence packing) or
-  `sequence_length_round` (dynamic batching), must fit one micro-batch of `train_mb_tokens` /
-  `logprob_mb_tokens`: NeMo-RL raises on the first one that does not, hours into a run.
-- **Validation** runs `max_val_samples // val_batch_size` whole batches: the rest of the samples asked for
-  are never generated, and none at all below one batch.
+"""Lengths and counts a NeMo-RL v0.7.0 config asks for that the run would cut without a word: responses past
+`vllm_cfg.max_model_len` / `policy.max_total_sequence_length` after the longest prompt, sequences that fit
+no packing bin, validation samples beyond whole batches. Each is an error naming the key asked, the key
+that binds and a value that works (docs/architecture.md, "The planner's models").
 """
 
 from __future__ import annotations

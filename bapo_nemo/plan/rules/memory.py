@@ -1,10 +1,5 @@
-"""Per-GPU memory estimate for NeMo-RL v0.7.0 GRPO on the Megatron backend (bytes; GB = 1e9 bytes).
-
-Two phases share each GPU when generation is colocated (NeMo-RL's default): training (policy.train)
-and generation (vLLM). The estimate is the larger of the two peaks. Every term is a formula below;
-the assumptions are stated where they are made. It is a planning tool: it errs on the high side
-(no credit for FP8 activations or precision-aware optimizer states) and ignores the reference model
-(NeMo-RL keeps it on CPU when KL = 0, and offloads it otherwise).
+"""Per-GPU memory estimate for NeMo-RL v0.7.0 GRPO on the Megatron backend (bytes; GB = 1e9 bytes): the larger
+of the training and the generation peak, erring on the high side (docs/architecture.md).
 
 Notation: P_s = parameters of the heaviest pipeline stage held by one tensor-parallel rank;
 t = tokens of one micro-batch (packed: train_mb_tokens); L_s = layers per pipeline stage;

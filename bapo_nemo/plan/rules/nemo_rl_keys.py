@@ -1,13 +1,8 @@
 """Every config key path a NeMo-RL tree knows: its `MasterConfig` types walked (TypedDicts and pydantic
-models) plus the keys of its own GRPO example and recipe configs (inheritance resolved).
+models) plus the keys of its GRPO example and recipe configs (inheritance resolved). A shipped list is
+regenerated from a source tree with (tests/unit/test_nemo_configs.py compares the two):
 
-`bapo-nemo check` reads the lists shipped for the tested NeMo-RL trees (`nemo_rl_v070_keys.json`,
-`nemo_rl_main_keys.json`, made by this module from each tree); the driver and `check --nemo-rl installed`
-read the NeMo-RL installed where they run. Regenerate a shipped list from a NeMo-RL source tree with
-
-    PYTHONPATH=<nemo-rl tree> python -m bapo_nemo.plan.rules.nemo_rl_keys <nemo-rl tree> bapo_nemo/plan/<file>.json
-
-(tests/unit/test_nemo_configs.py compares the shipped list with this module's output on the tree under test).
+    PYTHONPATH=<tree> python -m bapo_nemo.plan.rules.nemo_rl_keys <tree> bapo_nemo/plan/rules/<file>.json
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The `partial_rollouts:` block against the rest of a NeMo-RL v0.7.0 config: the hook's own rules
-(bapo_nemo.rollout.config) and the lengths the block asks for. Each finding names the key that sets
-the binding value and the fix.
-
-Lengths, as the hook applies them (bapo_nemo.nemo.partial_rollout): a response grows by at most
-`token_budget` tokens per step, for at most `max_resumptions + 1` segments, up to the response cap
-(`max_response_tokens`, else `policy.generation.max_new_tokens`), after a prompt of up to
-`data.max_input_seq_length` tokens. The trained sequence (prompt + response) must fit
-`policy.max_total_sequence_length` (and vLLM's `max_model_len`) and, with sequence packing, one packing bin
-(`policy.sequence_packing.train_mb_tokens` / `logprob_mb_tokens`).
+(bapo_nemo.rollout.config) and the lengths it asks for, each finding naming the key that binds and the fix.
+As the hook applies them, a response grows by at most `token_budget` per step, for at most
+`max_resumptions + 1` segments up to the response cap, after a prompt of up to `data.max_input_seq_length`;
+prompt + response must fit `policy.max_total_sequence_length`, vLLM's `max_model_len` and a packing bin.
 """
 
 from __future__ import annotations

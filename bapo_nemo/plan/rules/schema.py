@@ -1,11 +1,9 @@
 """Key checking against the config schema of the NeMo-RL the job will run, without nemo_rl installed.
 
-`SCHEMAS` names the key lists: one shipped per tested NeMo-RL tree (`nemo_rl_v070_keys.json`,
-`nemo_rl_main_keys.json`: every key path of its MasterConfig types and of its GRPO example and recipe
-configs, made by `nemo_rl_keys.py`), and `installed`, read from the NeMo-RL installed here. A key outside
-the list is almost always a typo or a key of another release: NeMo-RL would silently ignore it (TypedDicts
-are not enforced), or fail hours in. Free-form sections (dataset options, environment options, kwargs
-passed through to vLLM/HF, env vars) and our own blocks are not checked here.
+`SCHEMAS` names the key lists: one shipped per tested tree (`nemo_rl_v070_keys.json`,
+`nemo_rl_main_keys.json`, made by nemo_rl_keys.py) and `installed`. A key outside its list is almost always
+a typo or another release's key, which NeMo-RL would silently ignore or fail on hours in. Free-form
+sections (dataset, environment, vLLM/HF kwargs, env vars) and our own blocks are not checked.
 """
 
 from __future__ import annotations

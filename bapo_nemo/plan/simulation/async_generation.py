@@ -1,28 +1,8 @@
-"""NeMo-RL v0.7.0's async GRPO (`grpo.async_grpo`: `async_grpo_train`, `AsyncTrajectoryCollector`,
-`ReplayBuffer`) simulated on the live vLLM engines of plan/simulation/live_engine.py, with the training side's time
-from plan/simulation/step_time.py. A planning model, not a measurement.
-
-- **The split.** Generation runs on GPUs of its own (`policy.generation.colocated.enabled: false`, its
-  `resources`); the training GPUs only train. `RolloutShape` describes the generation side.
-- **The collector** (`AsyncTrajectoryCollector`) generates for target steps: with weights of version v
-  it may fill the batches of steps up to v + `max_trajectory_age_steps` (A), one step's
-  `num_prompts_per_step` (P) prompt groups after another, at most P x A groups in flight (its semaphore),
-  and none while a weight update is being prepared. A group's G responses go to the engines one sample
-  at a time, round robin (`VllmGeneration.generate_async`). A group enters the replay buffer when its
-  last response ends.
-- **The trainer** takes step s's P groups once all are in the buffer (`ReplayBuffer.sample` stalls until
-  then), runs the log-prob passes and training (`TrainCost`: each batch its own sequences), then updates
-  the weights: without `in_flight_weight_updates` it first waits for every group in flight to finish
-  (`prepare_for_refit`: no new starts while the engines drain), with them it updates at once and the
-  running responses continue under the new weights, their KV cache kept or, with
-  `recompute_kv_cache_after_weight_updates`, prefilled again. The update broadcasts every weight in bf16
-  from one training GPU over the inter-node network (`transfer_seconds`); the engines stall meanwhile.
-- **Age of the trained tokens.** A token sampled by weights of version w and trained at step s is s - w
-  versions old. NeMo-RL records one version per trajectory (the one at its start); with in-flight
-  updates the tokens of one response come from several versions, so both are reported.
-- **Measured** over `steps` steps after `warmup` (the pipeline's fill): the step (time between two
-  training starts), trained response tokens, idle time on each side, what a checkpoint holds and what a
-  requeue loses. Validation is left out, as in the synchronous step of plan/simulation/step_time.py.
+"""NeMo-RL v0.7.0's async GRPO (`async_grpo_train`, `AsyncTrajectoryCollector`, `ReplayBuffer`) simulated on
+the live engines of live_engine.py, with the training side's time from step_time.py: generation on GPUs of
+its own, the collector's age-bounded targets, the trainer waiting for a step's groups, weight updates with
+or without in-flight updates, and the per-token age of what is trained. A planning model, not a
+measurement; details: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

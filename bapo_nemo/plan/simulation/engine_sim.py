@@ -1,37 +1,9 @@
-"""One vLLM engine's continuous batching, simulated event by event, and a NeMo-RL v0.7.0 generate call
-over several engines: the time model behind plan/simulation/generation.py.
+"""One vLLM engine's continuous batching, simulated event by event, and a NeMo-RL generate call over several
+engines (contiguous shards; the call lasts as long as its slowest engine): the time model of generation.py.
 
-A planning model from byte and FLOP counts at assumed efficiencies (the constants of plan/simulation/step_time.py),
-not a measurement:
-
-- **A call.** `policy.generation` runs one vLLM engine per `tensor x pipeline` GPUs. NeMo-RL's
-  `VllmGeneration.generate` splits a call's rows into contiguous shards, one per engine
-  (`shard_by_batch_size(engines, allow_uneven_shards=True)`: ceil(n / engines) rows each), and returns when
-  the slowest engine is done. So a call takes the longest of its engines' times.
-- **One engine** (vLLM V1's scheduler, FCFS): a request is admitted when fewer than `max_num_seqs` run
-  and the KV cache has room for its context (and one new token for it and each running request); its
-  context is then prefilled; every decode step advances each running request by one token. When the KV
-  cache is full, the newest running request is preempted (its blocks freed, recomputed later from the
-  front of the queue), as vLLM does. A request leaves at its end of sequence, at its `max_tokens` or at
-  `max_model_len`, freeing its slot and blocks for the queue.
-- **Decode step.** A step with `n` running requests holding `K` KV tokens runs two kinds of kernels one
-  after the other in every layer, each at the larger of its memory-bound and compute-bound time:
-  the dense layers read the GPU's weight shard (at `HBM_EFFICIENCY` of the HBM bandwidth) and compute
-  2N FLOPs per request (at `DECODE_MFU` of the peak); attention reads the GPU's share of the K cached
-  tokens and computes 4 L q FLOPs per cached key. Between two events (a request ends, the cache fills,
-  one is admitted) `n` is fixed and `K` grows by `n` per step, so a run of steps has a closed-form time.
-  With tensor parallelism each step also runs two all-reduces per layer of the batch's hidden states
-  (after attention and after the MLP) over NVLink: `ALLREDUCE_LATENCY_S` each plus the ring's
-  2 (g - 1) / g bytes per GPU at the GPU's NVLink bandwidth (plan/rules/gpus.py).
-- **Prefill** of a context of T tokens of which C are in the prefix cache: (T - C) * 2N FLOPs plus
-  attention 2 L q (T^2 - C^2), at `DECODE_MFU`. It is charged on the engine's clock with no decode progress:
-  vLLM mixes prefill chunks of up to `max_num_batched_tokens` (16,384 on H100) into decode steps, and a
-  chunk of that size takes far longer than the memory-bound decode step it rides on, so the decode steps
-  it delays are not hidden.
-- **Prefix cache.** A request's blocks stay cached after it leaves (evicted least recently used as the
-  free space is needed), so a later request with the same context (a resumed partial rollout on the same
-  engine) prefills only what is not cached. Callers decide how long a cache lives (plan/simulation/generation.py:
-  one step, since NeMo-RL resets it after every step's rollouts and the weights change anyway).
+A planning model from byte and FLOP counts at assumed efficiencies (step_time.py's constants), following
+vLLM V1's FCFS scheduler (admission by `max_num_seqs` and KV room, preemption of the newest request, the
+prefix cache) and v0.7.0's `VllmGeneration.generate`. Formulas: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Generation time of a NeMo-RL v0.7.0 GRPO step, with and without partial rollouts
-(bapo_nemo.nemo.partial_rollout), on the engine simulator of plan/simulation/engine_sim.py (vLLM's continuous
-batching per engine, a call as long as its slowest engine).
+"""Generation time of a NeMo-RL v0.7.0 GRPO step, with and without partial rollouts, on the engines of
+engine_sim.py.
 
-- **Without partial rollouts** grpo_train makes one generate call over the step's P x G fresh prompts
-  (`max_tokens = policy.generation.max_new_tokens`): the call lasts until the slowest engine's longest
-  responses are done, its batch draining as the others end.
-- **With partial rollouts** the rollout batch is simulated as the hook runs it (`PartialRolloutPool`
-  mirrors `bapo_nemo.rollout.PartialRolloutManager` on lengths only): before the first step
-  `prefill_batches` batches of prompts enter the pool; every step queues one batch, runs one generate call
-  over every unfinished response with `max_tokens = token_budget` (more, of the same policy version, while
-  fewer than a step's groups are complete) with the rows dealt across the engines by context length
-  (`bapo_nemo.rollout.balance`), and hands out the oldest complete groups. A resumed response comes back
-  with its whole context (prompt + every segment so far): it is prefilled again, and its KV cache is held
-  while it runs. The prefix cache lives for one step: the weights change between steps and NeMo-RL
-  resets it (and sleeps the engines) in `finish_generation`. Steps are simulated until the pool's age
-  structure is steady, then averaged.
-- **Validation** (`grpo.max_val_samples` in calls of `grpo.val_batch_size`) is generated to completion;
-  with partial rollouts the hook does it in budget-sized segment calls of one policy, the prefix cache
-  living across them.
-
-Response lengths come from `plan.search_stats.LengthModel` (log-normal, or measured lengths from a file),
-drawn per response; a response ends at its length, or where vLLM stops it (`max_model_len`).
+Without partial rollouts: one generate call over the step's P x G prompts, as long as the slowest engine.
+With them: the hook's pool simulated on lengths (`PartialRolloutPool`), one budgeted call per step with the
+rows dealt by context length and resumed responses prefilled again, until the pool's age structure is
+steady. Validation is generated to completion. Details: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

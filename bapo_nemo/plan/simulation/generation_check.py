@@ -1,13 +1,8 @@
-"""What `bapo-nemo check` reports about generation: generated tokens/s and the step with and without
-partial rollouts for a config, the token budget that minimises the step, and the warnings when the
-config's choice is far from it. The numbers come from the simulator of plan/simulation/generation.py.
-
-- The step compares as `expected response tokens per step / simulated tokens/s` (+ the log-prob and
-  training time, the same with or without partial rollouts: they train on the same whole responses), so
-  the few simulated steps' sampling noise in tokens per step does not pick the budget.
-- The budget sweep (cap/8, cap/4, cap/2 rounded up to powers of two) keeps the config's pool (`prefill_batches`, 1 without a block) and sets
-  `max_resumptions` so that no response is cut earlier than the response cap (ceil(cap / budget) - 1);
-  `bench/generation.py` also sweeps the pool.
+"""What `bapo-nemo check` reports about generation: tokens/s and the step with and without partial rollouts,
+the token budget that minimises the step, and a warning when the config's is far from it (generation.py
+simulates). Steps compare as expected response tokens per step / simulated tokens/s (plus training, equal
+either way), so sampling noise does not pick the budget. The sweep tries cap/8, cap/4, cap/2 (powers of
+two), keeping the config's pool and setting `max_resumptions` to ceil(cap / budget) - 1.
 """
 
 from __future__ import annotations

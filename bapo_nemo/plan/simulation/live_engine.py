@@ -1,20 +1,8 @@
-"""One vLLM engine fed over time, as NeMo-RL v0.7.0's async GRPO drives it (`async_engine: true`):
-requests arrive while others run, the clock is advanced to any moment the caller needs, and the weights
-change between two decode steps. The time model is plan/simulation/engine_sim.py's (`Engine`: decode steps,
-prefill, preemption of the newest request when the KV cache is full, the prefix cache); only the feeding
-differs: `run_engine` there takes one call's rows and runs them to the end.
-
-- **Arrivals.** `submit` queues a request at the engine's clock; it is admitted as in `run_engine`
-  (fewer than `max_num_seqs` running, room in the KV cache for its context and one token each).
-- **Advancing.** `advance(until)` runs the engine's own events (admissions, decode runs between two
-  events, ends of sequences, preemptions) up to `until`; a decode run that would cross `until` stops at
-  the last whole step before it (a step is tens of milliseconds; the caller's events land between steps).
-- **Weight updates.** `update_weights` stalls the engine for the transfer (vLLM runs the collective RPC
-  between scheduler steps) and switches the policy version of every token generated afterwards. The KV
-  cache of the running requests is kept (NeMo-RL's default), or with `recompute` every running context
-  is prefilled again under the new weights and the prefix cache is dropped.
-- **Versions per token.** Each request records the runs of tokens each policy version produced, so a
-  response that crossed an update counts its tokens under both versions.
+"""One vLLM engine fed over time, as NeMo-RL's async GRPO drives it (`async_engine: true`): `submit` queues a
+request while others run, `advance(until)` moves the clock, `update_weights` stalls the engine for the
+transfer and switches the policy version (KV cache kept, or prefilled again with `recompute`), and each
+request records the runs of tokens each version produced. The time model is engine_sim.py's; only the
+feeding differs (docs/architecture.md, "The planner's models").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Sync GRPO, sync with partial rollouts and async GRPO side by side for one config on one cluster, each
-at the best split of GPUs the model finds, in one currency: response tokens trained per hour, and how
-old (in policy versions, per token) the trained tokens are. `bapo-nemo check` and `bench/generation.py`
-print it; docs/cluster.md section 8 holds the rule that reads it.
-
-- **Sync** modes run on the config's own layout (plan/simulation/step_plan.py's step: generation, then log-prob
-  passes and training), colocated on every GPU for the shipped presets. Splitting the GPUs would only
-  leave each side idle during the other's phase, so colocated is their best split in this model (which
-  leaves out the colocated refit and offload).
-- **Async** modes need generation GPUs of their own. The split search tries every share of whole nodes
-  for generation (on one node, every multiple of the vLLM engine's GPUs), keeps the config's tensor and
-  pipeline sizes, halves its context-parallel size until the training GPUs hold whole replicas with a
-  data-parallel size that divides `train_global_batch_size`, and keeps only layouts the memory model
-  fits (training GPUs no longer host vLLM). The generation GPUs of a colocated config get
-  `gpu_memory_utilization` `DEDICATED_GPU_MEMORY_UTILIZATION`; an async config keeps its own.
+"""Sync GRPO, sync with partial rollouts and async GRPO side by side for one config on one cluster, each at
+its best split of GPUs, in response tokens trained per hour and the per-token age of what is trained.
+`bapo-nemo check` and `bench/generation.py` print it; docs/cluster.md section 8 reads it. Sync modes use
+the config's own colocated layout; async modes search splits of whole nodes between generation and
+training that the memory model fits (docs/architecture.md, "The planner's models").
 """
 
 from __future__ import annotations

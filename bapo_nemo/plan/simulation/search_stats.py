@@ -1,22 +1,9 @@
 """How many responses one BAPO bound search sees on a NeMo-RL v0.7.0 cluster config.
 
-With `granularity: microbatch` the loss searches once per micro-batch, with the statistics summed over
-the data-parallel group. Under sequence packing a micro-batch is one bin of `train_mb_tokens` tokens,
-so a search sees the responses of DP bins, one per rank. With `granularity: step` it sees the whole
-optimizer step (`train_global_batch_size` responses).
-
-The model follows v0.7.0's `BatchedDataDict.shard_by_batch_size`: each global batch is packed on its
-own into bins (a multiple of DP of them, at least DP), and bin i goes to DP rank i % DP; micro-batch j of
-every rank runs in lockstep, so search j reduces over bins j*DP .. j*DP + DP - 1. We pack with
-first-fit decreasing; v0.7.0's default `modified_first_fit_decreasing` fills bins within a few per
-cent of it (both sort by length), and the count per bin is what matters here.
-
-Responses are drawn from a length distribution (a log-normal truncated at `max_new_tokens`, or lengths
-read from a file), rewards from a per-prompt pass rate (Beta-distributed across prompts; a truncated
-response scores 0), and advantages take the sign of reward - group mean (0 for a uniform group).
-A search is *one-sided* when no response it sees has a positive advantage, or none a negative one: its
-positive share is then 0 or 1 whatever the bounds, so the search either stops at once or runs to the
-saturated bounds, decided by packing instead of by the policy.
+`microbatch`: one search per micro-batch, summed over the DP group (with packing, DP bins of
+`train_mb_tokens`, dealt as v0.7.0's `shard_by_batch_size` does); `step`: the whole optimizer step.
+Lengths, rewards and advantages are drawn from a length and a pass-rate model; a search is *one-sided*
+when it sees no positive or no negative advantage. Details: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

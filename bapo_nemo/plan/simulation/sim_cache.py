@@ -1,16 +1,9 @@
 """The planner's simulations, kept between runs of `bapo-nemo check`: a result is found by a hash of the
-function's inputs and of the code that computes it, so a hit is what a fresh run would return.
-
-- **Key.** sha256 of the function's name, the `repr` of its bound arguments (frozen dataclasses of
-  numbers, strings and tuples: exact and stable across runs), and the code version: the code (its syntax
-  tree, comments and docstrings left out) of the function's module and of every `bapo_nemo` module it
-  imports, transitively, plus the standard library's `random.py` (the draws). Any edit to that code makes
-  every key of that function new; prose does not. Not keyed: the C
-  math library's last-bit rounding of `exp`/`log`, which could move a rounded length only at an exact tie.
-- **Where.** In this process; then `precomputed.json` beside this file (the shipped presets' results,
-  written by `python -m bapo_nemo.plan.precompute`); then one JSON file per key under
-  `$BAPO_NEMO_CACHE_DIR`, default `~/.cache/bapo-nemo/check` (`off`: no files read or written).
-- **Values.** Dataclasses of this package, tuples, lists and numbers, as JSON: floats round-trip exactly.
+function's inputs and of the code that computes it (the syntax trees of its module and of every
+`bapo_nemo` module it imports, transitively, and `random.py`; comments and docstrings left out), so a hit
+is what a fresh run would return. Looked up in this process, then `precomputed.json` beside this file
+(`python -m bapo_nemo.plan.precompute`), then `$BAPO_NEMO_CACHE_DIR` (default `~/.cache/bapo-nemo/check`;
+`off`: no files). Details: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

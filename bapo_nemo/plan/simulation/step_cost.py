@@ -1,25 +1,9 @@
 """What `loss_fn.bapo.granularity: step` costs in compute, from the planner's model shape and plan.
 
-`step` needs the current log-probs of a whole optimizer step's mini-batch before its first backward.
-For the first optimizer step of a rollout batch they are free (NeMo-RL computes `prev_logprobs` at the
-current weights just before `policy.train`); every later step costs one extra no-grad forward over its
-mini-batch (bapo_nemo/nemo/step_bounds.py). We count matmul FLOPs per sequence of s tokens:
-
-  forward(s) = 2 * N_layers * s  +  2 * V * h * s  +  2 * L * q * s^2
-               (weights)           (output layer)    (causal attention: QK^T and AV over s^2 / 2 pairs)
-
-with N_layers the transformer-layer parameters (plan/rules/models.py). A training micro-batch costs a forward,
-a backward (2 forwards) and, under full activation recompute, one more forward. Per rollout batch of R
-responses trained in k optimizer steps, NeMo-RL v0.7.0 (KL 0: no reference pass) runs:
-
-  generation           ~ 1 forward over R  (counted at its FLOPs; decode runs at far lower utilisation)
-  prev_logprobs        1 forward over R
-  training             (3 or 4) forwards over R
-  step granularity     + (k - 1) / k forwards over R   (one no-grad pass per later optimizer step)
-
-Every pass covers the same sequences, so the shares do not depend on the length distribution or the model;
-the absolute FLOPs do, and are reported for scale. Shares are of FLOPs; generation takes longer per FLOP
-than training, so the share of wall-clock time is lower than `share_of_step` (an upper bound).
+Every optimizer step of a rollout batch after the first costs one extra no-grad forward over its
+mini-batch (bapo_nemo/nemo/step_bounds.py). Counted in matmul FLOPs of passes over the same sequences, so
+the shares hold whatever the lengths; `share_of_step` is of FLOPs, an upper bound on the share of wall
+time. The FLOP counts: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

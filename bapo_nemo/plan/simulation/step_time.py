@@ -1,25 +1,9 @@
-"""Wall-clock estimate of one NeMo-RL v0.7.0 GRPO step and one checkpoint save, to size the Slurm signal
-lead (`#SBATCH --signal=B:USR1@SECONDS`): on that signal the driver finishes the current step, saves and
-exits, so the lead must cover the longest step plus one save plus the exit.
+"""Wall-clock estimate of one NeMo-RL v0.7.0 GRPO step and one checkpoint save, to size the Slurm signal lead
+(`#SBATCH --signal=B:USR1@SECONDS`): the lead must cover the longest step plus one save and the exit.
 
-A planning figure from FLOP and byte counts at assumed efficiencies, not a measurement.
-
-Step = generation (vLLM) + log-prob passes + policy training, one after the other (synchronous GRPO;
-colocated or not, the phases do not overlap). Per phase:
-- training: (3 + 1 with full recompute) forward passes of 2*N FLOPs per token plus causal attention
-  (2 L q s per token of a sequence of s tokens, so E[s^2] / E[s] per token on average), on the training
-  GPUs at `TRAIN_MFU` of the dense BF16 peak, x `FP8_TRAIN_SPEEDUP` with FP8 training;
-- log-prob passes: one forward each (prev_logprobs unless force_on_policy_ratio; the reference model's
-  when its KL penalty is not 0; with loss_fn.bapo.granularity=step one more over each optimizer step's
-  global batch after the first of a rollout batch, (k-1)/k of the rollout batch in all, times
-  loss_fn.bapo.step_bounds_sample);
-- generation and validation: the continuous-batching simulator of plan/simulation/generation.py (with or without
-  partial rollouts), passed in by the caller.
-Not modelled (the lead's margin covers them): weight refit to vLLM, offload/onload, Ray data movement,
-the driver's reward grading.
-Save = bytes of one Megatron checkpoint (bf16 weights 2*N; with the optimizer also fp32 main weights and
-two Adam moments, 12*N) plus the partial-rollout state, / (nodes x per-node write bandwidth to the shared
-filesystem).
+A planning figure at assumed efficiencies (`TRAIN_MFU`, ...), not a measurement: step = generation
+(generation.py's simulator) + log-prob passes + training, one after the other; save = checkpoint bytes /
+the nodes' write bandwidth. Terms and what is left out: docs/architecture.md, "The planner's models".
 """
 
 from __future__ import annotations

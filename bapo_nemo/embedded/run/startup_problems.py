@@ -1,14 +1,10 @@
-"""Every problem that stops a run before it starts, found and reported together: a user fixing a config
-should see all of them at once, each with a value that works, not one per attempt. Cheap checks come
-first: paths that do not exist are found before anything is loaded (`check_paths`); what needs the model
-and the data (the context window against the prompts, the held-out share of a small dataset, malformed
-rows) is gathered by task_source.py into one StartupError.
+"""Every problem that stops a run before it starts, reported together, each with a value that works:
+paths first (`check_paths`, before anything loads), then what needs the model and the data, gathered by
+task_source.py into one StartupError.
 
     problems = Problems()
-    with problems.gather():
-        rows = load_tasks(...)       # a DataError becomes one line; the next check still runs
-    problems.add(response_length_problem(...))
-    problems.raise_if_any()
+    with problems.gather(): rows = load_tasks(...)  # a DataError becomes one line; the next check runs
+    problems.add(response_length_problem(...)); problems.raise_if_any()
 """
 
 from __future__ import annotations
@@ -16,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bapo_nemo.embedded.bundled_model import bundled_problem, is_bundled
-from bapo_nemo.embedded.data import DataError, source_path_problem
-from bapo_nemo.embedded.model import ModelLoadError, model_path_problem
-from bapo_nemo.embedded.tasks import TaskFileError, task_file_problem
+from bapo_nemo.embedded.data.tasks import TaskFileError, task_file_problem
+from bapo_nemo.embedded.data.user_data import DataError, source_path_problem
+from bapo_nemo.embedded.model.bundled_model import bundled_problem, is_bundled
+from bapo_nemo.embedded.model.policy import ModelLoadError, model_path_problem
 
 
 class StartupError(DataError):

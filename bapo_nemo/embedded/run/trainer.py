@@ -1,24 +1,10 @@
-"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom. The policy is
-the tiny Qwen2 built from config or any HF causal LM (`policy.model_name`); the tasks are the bundled
-arithmetic, JSONL files (`task.*`) or your own dataset (`data.*`, graded by math-verify).
+"""The embedded BAPO trainer: one process, one machine (CPU or one GPU), read top to bottom
+(docs/embedded.md, "What a run does"). `train(config, output_dir, resume) -> summary dict`:
 
-    train(config, output_dir, resume) -> summary dict
-
-1. set-up (`_set_up`): tokenizer and model (model.py), tasks (task_source.py), every problem of the config
-   reported at once (startup_problems.py), tracker; resume from the newest intact checkpoint written with
-   the same config, if asked (resume.py)
-2. warm-up (`_warm_up`): supervised fine-tuning on reference solutions (cached in <output_dir>/warmup);
-   a stop signal ends it between steps, with nothing written
-3. RL steps: `rl_step` (rl_step.py: partial rollouts -> rewards -> GRPO advantages -> `updates_per_batch`
-   BAPO updates, + replayed groups), then `_record_step`: metrics, held-out avg@k/pass@k every
-   `grpo.val_period` steps, checkpoints every `checkpointing.save_period` steps; SIGTERM/SIGUSR1/SIGINT/SIGHUP
-   finish the step, checkpoint and return (stop_signals.py: the handlers stay from set-up until the MLflow run
-   is closed)
-4. finish (`_finish`): HF save in <output_dir>/hf_final (rewritten whenever the run ends at another step),
-   summary, training plot
-
-Whatever the ending, the MLflow run is marked (FINISHED; KILLED on a signal; FAILED on an error) and
-<output_dir>/train.log records it, with one line per step and the decisions (resume, skipped checkpoints).
+1. `_set_up`: tokenizer, model, tasks, every config problem at once, tracker; resume if asked;
+2. `_warm_up`: supervised fine-tuning on reference solutions, cached in <output_dir>/warmup;
+3. RL steps: `rl_step`, then `_record_step` (metrics, held-out eval, checkpoints); a signal ends the step;
+4. `_finish`: hf_final, summary, plot. Every ending marks the MLflow run (FINISHED, KILLED or FAILED).
 """
 
 from __future__ import annotations
@@ -35,17 +21,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bapo_nemo.embedded import checkpoint as ckpt_io
-from bapo_nemo.embedded import warmup as warmup_io
-from bapo_nemo.embedded.config import RunConfig, run_params
-from bapo_nemo.embedded.evaluation import evaluate
-from bapo_nemo.embedded.model import DTYPES, ModelLoadError, load_policy, prepare_policy
-from bapo_nemo.embedded.prompt_format import final_model_card, run_example, training_template
-from bapo_nemo.embedded.resume import checkpoint_to_resume, remember_store, run_to_continue, tracking_uri_for
-from bapo_nemo.embedded.rl_step import Learner, StepOutcome, rl_step
-from bapo_nemo.embedded.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
-from bapo_nemo.embedded.startup_problems import StartupError, check_paths
-from bapo_nemo.embedded.step_metrics import (
+from bapo_nemo.embedded.config.run_config import RunConfig, run_params
+from bapo_nemo.embedded.data.tasks import Task, TaskStream
+from bapo_nemo.embedded.loop import warmup as warmup_io
+from bapo_nemo.embedded.loop.evaluation import evaluate
+from bapo_nemo.embedded.loop.rl_step import Learner, StepOutcome, rl_step
+from bapo_nemo.embedded.loop.step_metrics import (
     ZERO_SPREAD_TAG,
     NoLearningSignalError,
     ZeroSpreadWatch,
@@ -54,9 +35,19 @@ from bapo_nemo.embedded.step_metrics import (
     sample_rows,
     step_metrics,
 )
-from bapo_nemo.embedded.stop_signals import StopFlag
-from bapo_nemo.embedded.task_source import rollout_reward, task_source, tokenizer_free_problems
-from bapo_nemo.embedded.tasks import Task, TaskStream
+from bapo_nemo.embedded.model.policy import DTYPES, ModelLoadError, load_policy, prepare_policy
+from bapo_nemo.embedded.output import checkpoint as ckpt_io
+from bapo_nemo.embedded.output.run_log import LOGGER, MetricsLog, progress_postfix, run_log, step_line
+from bapo_nemo.embedded.run.interrupts import StopFlag
+from bapo_nemo.embedded.run.prompt_format import final_model_card, run_example, training_template
+from bapo_nemo.embedded.run.resume import (
+    checkpoint_to_resume,
+    remember_store,
+    run_to_continue,
+    tracking_uri_for,
+)
+from bapo_nemo.embedded.run.startup_problems import StartupError, check_paths
+from bapo_nemo.embedded.run.task_source import rollout_reward, task_source, tokenizer_free_problems
 from bapo_nemo.rollout import PartialRolloutManager, ReplayBuffer
 from bapo_nemo.tracking.mlflow_tracker import MlflowTracker
 from bapo_nemo.tracking.redact import redact_nested, redact_text

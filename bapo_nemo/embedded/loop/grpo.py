@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_nemo.algorithm import BAPOConfig, bapo_policy_loss, importance_ratio, search_clip_bounds
-from bapo_nemo.embedded.model import token_logprobs_and_entropy
+from bapo_nemo.embedded.model.policy import token_logprobs_and_entropy
 from bapo_nemo.rollout import RolloutGroup
 
 

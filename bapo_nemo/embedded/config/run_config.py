@@ -1,13 +1,8 @@
 """The embedded trainer's run config: one pydantic schema (extra keys forbidden), loaded from YAML, with
-dotted command-line overrides (`loss_fn.bapo.rho0=0.5`) checked against the schema. Where a key means what
-a NeMo-RL v0.7.0 key means, it has that key's name and place (`grpo.max_num_steps`, `loss_fn.bapo`, ...);
-docs/embedded.md#config-keys maps every key. The names in use before are refused with a pointer to the
-new one (`config_keys.py`).
-
-Loss presets for experiments are plain settings of the `loss_fn.bapo` block:
-  fixed clip [0.8, 1.2]     loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.2}
-  clip-higher [0.8, 1.28]   loss_fn.bapo: {enabled: false, c_low_min: 0.8, c_high_min: 1.28}
-  BAPO                      loss_fn.bapo: {enabled: true, ...paper grids...}
+dotted command-line overrides (`loss_fn.bapo.rho0=0.5`) checked against it. A key that means what a
+NeMo-RL v0.7.0 key means has that key's name and place (docs/embedded.md#config-keys maps them all); the
+old names are read with a deprecation warning naming the new key (`key_names.py`). The loss presets
+(fixed clip, clip-higher, BAPO) are settings of `loss_fn.bapo` (docs/embedded.md, "Loss presets").
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from bapo_nemo.algorithm.options import BAPOBlock
 from bapo_nemo.config_errors import validation_lines
 from bapo_nemo.config_kind import wrong_tool_for_nemo_rl
-from bapo_nemo.embedded import config_keys
+from bapo_nemo.embedded.config import key_names as config_keys
 from bapo_nemo.rollout import PartialRolloutConfig
 
 
@@ -164,7 +159,7 @@ class DataConfig(_Section):
     reward: str = Field(
         "math_verify",
         description="math_verify: NeMo-RL's math grading. arithmetic: exact text after '#'. module:function: "
-        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/rewards.py).",
+        "your own, called as TRL's reward_funcs (bapo_nemo/embedded/data/rewards.py).",
     )
     overlong_prompts: Literal["skip", "truncate"] = Field(
         "skip",
@@ -368,12 +363,33 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RunConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...)")
         if (wrong_tool := wrong_tool_for_nemo_rl(str(path), data)) is not None:
             raise RunConfigError(wrong_tool)
+        data = _accept_old_names(data, str(path))
     # Defaults first, so a YAML file or an override may set one key of a block whose other keys are
     # required by its own schema (e.g. partial_rollouts.max_response_tokens alone).
     data = deep_merge(RunConfig().to_dict(), data)
     for item in overrides or []:
         apply_override(data, item)
     return validate_config(data, where)
+
+
+OLD_NAMES_UNTIL = "0.3"  # the release that stops reading the names the config had before NeMo-RL's
+
+
+def _accept_old_names(data: dict, where: str) -> dict:
+    """`data` in today's names, one deprecation warning per old key; an old key beside its new one is an error."""
+    clashes = config_keys.set_twice(data)
+    if clashes:
+        raise RunConfigError(f"invalid run config {where}:\n  " + "\n  ".join(clashes))
+    for line in config_keys.old_keys(data):
+        _deprecated(f"{where}: {line}")
+    return config_keys.upgrade(data)
+
+
+def _deprecated(message: str) -> None:
+    import warnings
+
+    warnings.warn(f"{message}; the old name is read until bapo-nemo {OLD_NAMES_UNTIL} ({config_keys.DOCS})",
+                  FutureWarning, stacklevel=3)
 
 
 def deep_merge(base: dict, update: dict) -> dict:
@@ -407,9 +423,12 @@ def apply_override(data: dict, item: str) -> None:
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
+    if not config_keys.schema_has(RunConfig, parts) and config_keys.renamed_one_to_one(key):
+        _deprecated(f"override {item!r}: {config_keys.renamed_message(key)}")
+        key, parts = config_keys.new_name(key), config_keys.new_name(key).split(".")
     if not config_keys.schema_has(RunConfig, parts):
         renamed = config_keys.renamed_message(key)
-        if renamed is not None:
+        if renamed is not None:  # a value that changed form with its key: the new key, written in its form
             raise RunConfigError(f"override {item!r}: {renamed} ({config_keys.DOCS})")
         raise RunConfigError(
             f"unknown config key {key!r} in override {item!r}" + config_keys.did_you_mean(RunConfig, key)

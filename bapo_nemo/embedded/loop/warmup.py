@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from bapo_nemo.embedded.evaluation import encode_prompt
-from bapo_nemo.embedded.run_log import LOGGER
-from bapo_nemo.embedded.tasks import TaskStream
+from bapo_nemo.embedded.data.tasks import TaskStream
+from bapo_nemo.embedded.loop.evaluation import encode_prompt
+from bapo_nemo.embedded.output.run_log import LOGGER
 from bapo_nemo.tracking.redact import redact_nested
 
 CACHE_DIR = "warmup"
@@ -102,7 +102,7 @@ def _identity(path: Path) -> list:
 def load_cached(output_dir: Path, key: dict):
     """(model_dir, metrics) of a cached warm-up made with the same settings whose weights read, else None
     (a damaged cache is redone, not loaded)."""
-    from bapo_nemo.embedded.checkpoint import weights_problem
+    from bapo_nemo.embedded.output.checkpoint import weights_problem
 
     info = _cache_info(output_dir)
     if info is None or info.get("key") != json.loads(json.dumps(key)):
@@ -146,7 +146,7 @@ def reuse_cached(output_dir: Path, key: dict, sources: list[Path]) -> Path | Non
 def save_cache(output_dir: Path, key: dict, model, metrics: dict) -> None:
     cache = output_dir / CACHE_DIR
     cache.mkdir(parents=True, exist_ok=True)
-    from bapo_nemo.embedded.checkpoint import disk_full_is_named, save_model
+    from bapo_nemo.embedded.output.checkpoint import disk_full_is_named, save_model
 
     with disk_full_is_named(f"the warm-up cache {cache}", cache / "model"):
         save_model(model, cache / "model")
@@ -169,7 +169,7 @@ def outcome_line(steps: int, cached, reused_from: Path | None) -> str:
     if steps == 0:
         return "no warm-up (warmup.steps=0)"
     if reused_from is not None:
-        from bapo_nemo.embedded.run_summary import shown_path
+        from bapo_nemo.embedded.output.run_summary import shown_path
 
         return (f"reused the warm-up of {shown_path(reused_from)} ({steps} steps; the same model, tasks, warm-up "
                 "settings, seed and input files)")

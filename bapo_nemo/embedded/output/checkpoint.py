@@ -1,21 +1,9 @@
-"""Checkpoints of the embedded trainer (the layout other tools read):
+"""Checkpoints of the embedded trainer, in the layout other tools read (docs/embedded.md, "Output directory").
 
-<output_dir>/checkpoints/step_<N>/
-    model/               HF save_pretrained (config.json, model.safetensors, generation_config.json) and the
-                         tokenizer as hf_final has it: AutoModelForCausalLM / AutoTokenizer.from_pretrained load it
-    tokenizer/           HF tokenizer files
-    trainer_state.pt     optimizer, RNG states, step, policy version, warm-up and eval history
-    rollout_state.json   partial-rollout manager (in-flight segments) and replay buffer
-    config.yaml          the resolved run config (secrets redacted)
-    training_info.json   step, MLflow run id and URI (password redacted), config hash, BAPO block, model
-                         name, SHA-256 of the files above (`sha256`)
-    COMPLETE             written last; a directory without it is partial and ignored
-<output_dir>/checkpoints/latest   name of the newest complete step directory
-<output_dir>/hf_final/   the final model in HF format; COMPLETE names its step
-
-A checkpoint is written into a temporary directory and renamed into place, so a crash never leaves a
-half-written `step_<N>` that looks complete. Before a resume trusts one, every file must read and belong
-to it (`checkpoint_problem`): a trainer state copied in from another step or run is caught there.
+`<output_dir>/checkpoints/step_<N>/`: `model/` (HF, tokenizer included), `tokenizer/`, `trainer_state.pt`,
+`rollout_state.json`, `config.yaml`, `training_info.json` (with the other files' SHA-256) and `COMPLETE`,
+written last; `checkpoints/latest`; `hf_final/`. A checkpoint is written to a temporary directory and
+renamed into place; before a resume trusts one, every file must read and belong to it (`checkpoint_problem`).
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from bapo_nemo.embedded.tokenizer import save_inference_tokenizer, save_tokenizer
+from bapo_nemo.embedded.model.tokenizer import save_inference_tokenizer, save_tokenizer
 from bapo_nemo.tracking.redact import redact_nested
 
 COMPLETE = "COMPLETE"

@@ -1,14 +1,9 @@
 """Stop signals of the embedded trainer.
 
-SIGTERM (kill, Slurm), SIGUSR1 (Slurm's pre-timeout signal), SIGINT (Ctrl-C) and SIGHUP (the terminal
-closed) ask the run to stop after the current step, with a checkpoint; a second Ctrl-C aborts at once. The
-process then exits with `exit_status` (non-zero but for the requeue request).
-The handlers are installed before set-up and kept until the MLflow run is closed, so a signal that arrives
-during set-up or the end-of-run work is recorded instead of killing the process with the run left RUNNING.
-
-    stop = StopFlag()
-    with stop.installed():
-        ...  # check stop.requested between steps
+SIGTERM, SIGUSR1 (Slurm's pre-timeout signal), SIGINT and SIGHUP ask the run to stop after the current
+step, with a checkpoint; a second Ctrl-C aborts at once; the exit code is `exit_status`'s. The handlers
+are in place from before set-up until the MLflow run is closed, so no signal leaves the run RUNNING.
+Use: `stop = StopFlag()`, `with stop.installed(): ...`, checking `stop.requested` between steps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The embedded run config's key names: every dotted key of the schema, close matches for a typo, and the
-names the config had before it took NeMo-RL's names (refused with a pointer to the new one; a checkpoint
-or study written with them is read through `upgrade`).
+names the config had before it took NeMo-RL's (read through `upgrade` with a deprecation warning naming
+the new key; refused beside their new key).
 
 The table of every key and its NeMo-RL counterpart is in docs/embedded.md ("Config keys").
 """
@@ -147,6 +147,29 @@ def renamed_message(key: str) -> str | None:
 
 
 DOCS = "NeMo-RL's names where a key means the same there; every key: docs/embedded.md#config-keys"
+
+
+def renamed_one_to_one(key: str) -> bool:
+    """Whether old `key` became a new key with the same value (not a pair or a new vocabulary of values)."""
+    return new_name(key) is not None and key not in _HOW
+
+
+def set_twice(data: dict) -> list[str]:
+    """Lines naming each old key set beside the new key it became (which of the two counts is not ours to pick)."""
+    lines = []
+    for key in _paths(data):
+        new = new_name(key)
+        if new is not None and _has(data, new):
+            lines.append(f"{key} and {new} are both set: {key} is {new}'s old name; keep {new} only")
+    return lines
+
+
+def _has(data: dict, key: str) -> bool:
+    for p in key.split("."):
+        if not isinstance(data, dict) or p not in data:
+            return False
+        data = data[p]
+    return True
 
 
 def old_keys(data: dict) -> list[str]:

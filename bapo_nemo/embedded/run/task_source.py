@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from bapo_nemo.embedded.config import RunConfig
-from bapo_nemo.embedded.data import (
+from bapo_nemo.embedded.config.run_config import RunConfig
+from bapo_nemo.embedded.data.rewards import reward_function
+from bapo_nemo.embedded.data.tasks import Task, TaskFileError, TaskGenerator, load_jsonl_tasks, reward
+from bapo_nemo.embedded.data.text_checks import CANNOT_REPRESENT
+from bapo_nemo.embedded.data.user_data import (
     fit_prompts,
     held_out_size_problem,
     load_tasks,
@@ -21,11 +24,8 @@ from bapo_nemo.embedded.data import (
     truncate_prompt,
     unrepresentable_rows,
 )
-from bapo_nemo.embedded.evaluation import decode_response, encode_prompt
-from bapo_nemo.embedded.rewards import reward_function
-from bapo_nemo.embedded.startup_problems import Problems, response_length_problem
-from bapo_nemo.embedded.tasks import Task, TaskFileError, TaskGenerator, load_jsonl_tasks, reward
-from bapo_nemo.embedded.text_checks import CANNOT_REPRESENT
+from bapo_nemo.embedded.loop.evaluation import decode_response, encode_prompt
+from bapo_nemo.embedded.run.startup_problems import Problems, response_length_problem
 
 
 class TaskSource(NamedTuple):
@@ -111,7 +111,7 @@ def _dataset_tasks(cfg: RunConfig, tokenizer, encode, window: int) -> TaskSource
 
 def _bundled_alphabet_line() -> str:
     """What the bundled tiny model can read, and what to use for other text."""
-    from bapo_nemo.embedded.tokenizer import CHARACTERS
+    from bapo_nemo.embedded.model.tokenizer import CHARACTERS
 
     return (f"the bundled tiny model (policy.model_name null) has a tokenizer that knows only these characters: "
             f"{''.join(CHARACTERS)!r} (the digits, + - * = ; # ? and space); for a dataset with other text (words, "

@@ -1,12 +1,9 @@
 """Grouped-query attention without copying the keys and values on CPU.
 
-transformers' "sdpa" attention repeats every key/value head for its query heads (`repeat_kv`, a copy of
-the whole KV cache per layer per decoded token) unless no attention mask is given or the device is a GPU;
-our batches always carry a mask (left-padded prompts, right-padded training rows). PyTorch's SDPA takes
-the groups itself (`enable_gqa=True`), masked or not, on CPU: the same attention, computed from the
-un-repeated heads (about 3x faster for the attention of a decode step). `use_gqa_sdpa(model)` registers
-it as transformers attention implementation "sdpa_gqa" (with sdpa's masks) and selects it for a model
-that uses "sdpa"; any other case falls through to transformers' own sdpa function.
+transformers' "sdpa" attention repeats every key/value head for its query heads (`repeat_kv`) unless no
+attention mask is given or the device is a GPU, and our batches always carry a mask; PyTorch's SDPA takes
+the groups itself (`enable_gqa=True`). `use_gqa_sdpa(model)` registers that as attention implementation
+"sdpa_gqa" (with sdpa's masks) for a model that uses "sdpa"; anything else falls through to transformers.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The reward your own data is graded with (`data.reward`): NeMo-RL's math grading (`math_verify`), the
-bundled tasks' exact match (`arithmetic`), or a function of your own named `module:function`.
-
-A function of your own is called the way TRL's `GRPOTrainer` calls its `reward_funcs`, so one written for
-TRL works here:
-
-    def my_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-        ...  # one reward per completion
-
-`prompts[i]` is the prompt as the model saw it (after `data.prompt_template`), `completions[i]` the decoded
-response, and the reference answer comes as a keyword named after its column (`data.default.output_key`,
-e.g. `answer=[...]`), one entry per completion. Unlike TRL, it is called one completion at a time (lists of
-length 1), without `completion_ids` or `trainer_state`, and a reward must be a finite number (TRL's None,
-"no reward from this function", has no other function to fall back on here). Held-out avg@k is the mean
-reward, pass@k the share of prompts with a non-zero reward. The module is imported from the current
-directory or the Python path.
+bundled tasks' exact match (`arithmetic`), or a function of your own named `module:function`, imported
+from the current directory or the Python path. A function of your own is called as TRL's `GRPOTrainer`
+calls its `reward_funcs` (`f(prompts, completions, **columns) -> list[float]`), one completion at a time,
+and must return finite numbers; docs/embedded.md ("A reward of your own") has the contract.
 """
 
 from __future__ import annotations
@@ -26,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bapo_nemo.embedded.data import DataError, math_verify_reward
-from bapo_nemo.embedded.tasks import Task, reward
+from bapo_nemo.embedded.data.tasks import Task, reward
+from bapo_nemo.embedded.data.user_data import DataError, math_verify_reward
 
 Score = Callable[[str, Task], float]  # (response text, task) -> reward
 

@@ -41,7 +41,7 @@ def compared_run(path: str | Path) -> ComparedRun:
                            f"mlflow_run_id in it): give one, e.g. --compare-with {EXAMPLE}")
     from mlflow.tracking import MlflowClient
 
-    from bapo_nemo.embedded.resume import tracking_uri_for  # torch: only once a run is compared
+    from bapo_nemo.embedded.run.resume import tracking_uri_for  # torch: only once a run is compared
     from bapo_nemo.tracking.store import sqlite_path
 
     uri = tracking_uri_for(None, where.resolve())  # as the run's own resume finds it

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy
 
-from bapo_nemo.embedded.tokenizer import CHARACTERS
+from bapo_nemo.embedded.model.tokenizer import CHARACTERS
 
 _ALLOWED = set(CHARACTERS)
 

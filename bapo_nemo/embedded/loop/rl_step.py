@@ -1,11 +1,9 @@
-"""One RL step of the embedded trainer, read top to bottom:
-
-    rollout -> reward -> advantage -> BAPO update
+"""One RL step of the embedded trainer, read top to bottom: rollout -> reward -> advantage -> BAPO update.
 
 `rl_step(learner)` takes `grpo.num_prompts_per_step` complete prompt groups from the partial-rollout
-manager (unfinished responses stay in flight for the next step), adds replayed groups, scores every
-response, turns the rewards into GRPO advantages, and runs `train.updates_per_batch` BAPO updates. It
-returns what happened (`StepOutcome`); logging, evaluation and checkpoints are the trainer's business.
+manager (unfinished responses stay in flight), adds replayed groups, scores every response, turns the
+rewards into GRPO advantages and runs `train.updates_per_batch` BAPO updates. It returns a `StepOutcome`;
+logging, evaluation and checkpoints are the trainer's business.
 """
 
 from __future__ import annotations
@@ -17,10 +15,10 @@ from typing import Any
 
 import torch
 
-from bapo_nemo.embedded.config import RunConfig
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.grpo import TokenBatch, build_batch, forward_logprobs, policy_update
-from bapo_nemo.embedded.tasks import TaskStream
+from bapo_nemo.embedded.config.run_config import RunConfig
+from bapo_nemo.embedded.data.tasks import TaskStream
+from bapo_nemo.embedded.loop.generation import sample_continuations
+from bapo_nemo.embedded.loop.grpo import TokenBatch, build_batch, forward_logprobs, policy_update
 from bapo_nemo.rollout import (
     GenerationChunk,
     PartialRolloutManager,

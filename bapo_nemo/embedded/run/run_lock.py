@@ -1,12 +1,9 @@
 """One training process per output directory.
 
-`<output_dir>/.lock` is held with an exclusive `flock` for the life of the run. The kernel releases it
-when the process ends in any way (return, exception, SIGKILL), so a lock file left by a dead process is
-stale by construction: the next run takes it over and says whose it was. The file records the holder's
-PID, host and start time, so a refused second run can name it.
-
-An output directory inside another run (`runs/a/checkpoints/step_1`) is refused before anything is
-written: that run's checkpoint pruning, or its next resume, would delete what this one writes there.
+`<output_dir>/.lock` is held with an exclusive `flock` for the life of the run; the kernel releases it
+however the process ends, so a lock file left by a dead process is stale by construction and taken over.
+The file records the holder's PID, host and start time for the refusal message. An output directory
+inside another run's is refused before anything is written (that run's pruning or resume would delete it).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Your own data: prompts and reference answers from local Hugging Face `datasets` files, a held-out split,
 prompts that do not fit the context window, and the math-verify reward.
 
-    load_data(data_cfg, seed) -> (train tasks, held-out tasks)
-
-A source is a file (.parquet, .json, .jsonl, .csv, .arrow) or a directory (written by
-`Dataset.save_to_disk`, or holding data files of one of those kinds: a mix is refused, since `datasets`
-would read only the most common kind; the files read are logged). `data.default.input_key` and
-`data.default.output_key` name the columns; `data.prompt_template` wraps each prompt ("{prompt}" is
-replaced). Malformed rows (missing or empty fields, an answer the reward can never match, text the
-tokenizer cannot represent) are skipped and counted with their row numbers; more than
+`load_data(data_cfg, seed) -> (train tasks, held-out tasks)`. A source is a file (.parquet, .json, .jsonl,
+.csv, .arrow) or a directory (`save_to_disk`, or data files of one kind: a mix is refused, `datasets`
+would read only its most common kind). Malformed rows are skipped and counted; more than
 `data.max_bad_fraction` of them is an error naming the file.
 """
 
@@ -22,9 +17,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from bapo_nemo.embedded.run_log import LOGGER
-from bapo_nemo.embedded.tasks import Task, TaskFileError, answer_text, unscorable_answer
-from bapo_nemo.embedded.text_checks import representation_problem
+from bapo_nemo.embedded.data.tasks import Task, TaskFileError, answer_text, unscorable_answer
+from bapo_nemo.embedded.data.text_checks import representation_problem
+from bapo_nemo.embedded.output.run_log import LOGGER
 
 log = logging.getLogger(LOGGER)
 

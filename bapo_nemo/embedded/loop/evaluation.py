@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from bapo_nemo.embedded.generation import sample_continuations
-from bapo_nemo.embedded.tasks import Task, reward
+from bapo_nemo.embedded.data.tasks import Task, reward
+from bapo_nemo.embedded.loop.generation import sample_continuations
 
 
 def encode_prompt(tokenizer, question: str) -> list[int]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from bapo_nemo.embedded.attention import use_gqa_sdpa
+from bapo_nemo.embedded.model.attention import use_gqa_sdpa
 
 
 def build_model(model_cfg, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
@@ -134,7 +134,7 @@ def load_pretrained(name: str, dtype: str, local_only: bool = False):
 def _hub_failure(name: str, local_only: bool, exc: Exception) -> str:
     """A hub id that did not load: the ways to run offline first, then what the hub said (it may also be a
     mistyped local directory)."""
-    from bapo_nemo.embedded.hub import offline_fix
+    from bapo_nemo.embedded.model.hub import offline_fix
 
     why = ("the Hugging Face hub is not reachable from here and it is not in the local cache" if local_only else
            "it did not load from the Hugging Face hub")
@@ -145,7 +145,7 @@ def _hub_failure(name: str, local_only: bool, exc: Exception) -> str:
 def hub_cache_only(name: str) -> bool:
     """Whether a hub id `name` must come from the local cache: HF_HUB_OFFLINE is set, or one short probe
     finds the hub unreachable (so loading fails at once instead of after a minute of retries)."""
-    from bapo_nemo.embedded.hub import hub_offline_by_setting, hub_reachable
+    from bapo_nemo.embedded.model.hub import hub_offline_by_setting, hub_reachable
 
     if Path(name).expanduser().exists():
         return False
@@ -155,8 +155,8 @@ def hub_cache_only(name: str) -> bool:
 def load_policy(cfg, device: torch.device) -> tuple[Any, Any, int]:
     """(model on its device, tokenizer, context window in tokens) of a run config: `policy.model_name`
     loaded with its own tokenizer, or the tiny Qwen2 built from config with the bundled character tokenizer."""
-    from bapo_nemo.embedded.bundled_model import bundled_problem, is_bundled, load_bundled
-    from bapo_nemo.embedded.tokenizer import load_tokenizer
+    from bapo_nemo.embedded.model.bundled_model import bundled_problem, is_bundled, load_bundled
+    from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 
     if is_bundled(cfg.policy.model_name):
         if (problem := bundled_problem(cfg.policy.model_name)) is not None:

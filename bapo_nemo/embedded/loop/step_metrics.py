@@ -1,12 +1,9 @@
-"""What one RL step logs (`step_metrics`, the sample table's rows `sample_rows`), and the watch on its learning
-signal (`ZeroSpreadWatch`, and `from_scratch_stop` for a random model that cannot start learning).
+"""What one RL step logs (`step_metrics`, the sample table's `sample_rows`), and the watch on its learning
+signal (`ZeroSpreadWatch`; `from_scratch_stop` for a random model that cannot start learning).
 
-GRPO's advantage is a response's reward against its group's mean: a group whose responses all scored the
-same (all wrong, or all right) gets zero advantages and adds nothing to the gradient. `frac_reward_zero_std`,
-the share of the step's fresh groups with zero reward spread, is TRL's GRPOTrainer metric of the same name.
-A step in which no mini-batch had any such signal has no BAPO positive share: rho = P / (P + N) is 0 / 0
-there, so the step logs no `bapo/rho` (the report draws a gap) instead of the 1.0 the bound search reports
-for an empty mini-batch.
+`frac_reward_zero_std` (TRL's name) is the share of the step's fresh groups whose rewards all tie (zero
+advantages). A step without such signal in any mini-batch logs no `bapo/rho` (P / (P + N) is 0 / 0; the
+report draws a gap) instead of the 1.0 the bound search reports for an empty mini-batch.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bapo_nemo.embedded.rl_step import StepOutcome
+    from bapo_nemo.embedded.loop.rl_step import StepOutcome
 
 # MLflow run tag holding the latest zero-spread warning (the UI shows it on the run's page).
 ZERO_SPREAD_TAG = "bapo.warning.zero_reward_spread"
@@ -128,7 +125,9 @@ def from_scratch_stop(step: int, leading_zero_steps: int, from_scratch: bool,
 
 def sample_rows(tokenizer, groups, rewards, step: int, n: int) -> list[dict]:
     """The first response of each of the step's first `n` groups, for the MLflow table of samples."""
-    from bapo_nemo.embedded.evaluation import decode_response  # torch; the NeMo-RL hook imports this module
+    from bapo_nemo.embedded.loop.evaluation import (
+        decode_response,  # torch; the NeMo-RL hook imports this module
+    )
 
     rows = []
     for g, rs in zip(groups, rewards):

@@ -1,11 +1,8 @@
 """How a model trained here is prompted, for whoever loads it (hf_final, `bapo-nemo export`): a chat
-template that turns a question into exactly the training prompt, kept where transformers reads it
-(`tokenizer.apply_chat_template`), and a model card section that says the format, with an example.
-
-A training prompt is the question (inside `data.prompt_template` for a dataset) given to the tokenizer's
-chat template as one user turn, or, for a tokenizer without one, BOS and the question
-(evaluation.encode_prompt). A tokenizer without a chat template gets one that does the latter; one with its
-own keeps it, and the card says which template to put the question in first.
+template that turns a question into exactly the training prompt (`tokenizer.apply_chat_template`), and a
+model card section that says the format, with an example. The training prompt is one user turn of the
+tokenizer's chat template, or BOS and the question without one (evaluation.encode_prompt); a tokenizer
+without a template gets one that does the latter, one with its own keeps it.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bapo_nemo.embedded.evaluation import encode_prompt
+from bapo_nemo.embedded.loop.evaluation import encode_prompt
 
 # A question of the bundled tasks and its answer as the model writes it, for runs that recorded none.
 BUNDLED_EXAMPLE = {"question": "7+5-3?", "answer": "9", "solution": "7+5=12;12-3=9;#9"}
@@ -61,7 +58,7 @@ def prompt_format(tokenizer, config: dict) -> PromptFormat:
 def bundled_tasks_text(config: dict) -> str:
     """What the bundled tasks of a run of `config` were: its task file, or the generator's settings (the
     generator writes `+` and `-` only, on operands 1 to task.max_operand)."""
-    from bapo_nemo.embedded.config import TaskConfig
+    from bapo_nemo.embedded.config.run_config import TaskConfig
 
     task = TaskConfig(**{k: v for k, v in (config.get("task") or {}).items() if k in TaskConfig.model_fields})
     if task.train_file:
@@ -178,7 +175,7 @@ def final_model_card(tokenizer, config: dict, example: dict | None, step: int, r
     """(the tokenizer to save, README.md) of a run's hf_final: the card names the model, the step and the
     MLflow run, and says how to prompt it; it holds no local path (a model directory shows by its name)."""
 
-    from bapo_nemo.embedded.model import is_hub_id
+    from bapo_nemo.embedded.model.policy import is_hub_id
 
     fmt = prompt_format(tokenizer, config)
     shown = Path(model_name).name if Path(model_name).expanduser().exists() or not is_hub_id(model_name) else model_name

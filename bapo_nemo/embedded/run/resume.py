@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from bapo_nemo.embedded import checkpoint as ckpt_io
-from bapo_nemo.embedded import config_keys
-from bapo_nemo.embedded.config import RunConfig, deep_merge
-from bapo_nemo.embedded.run_log import LOGGER
+from bapo_nemo.embedded.config import key_names as config_keys
+from bapo_nemo.embedded.config.run_config import RunConfig, deep_merge
+from bapo_nemo.embedded.output import checkpoint as ckpt_io
+from bapo_nemo.embedded.output.run_log import LOGGER
 from bapo_nemo.tracking.redact import redact_nested, redact_text
 from bapo_nemo.tracking.store import sqlite_path
 

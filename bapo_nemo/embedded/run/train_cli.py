@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from bapo_nemo.embedded.compare import CompareError, tracking_overrides
-from bapo_nemo.embedded.config import RunConfigError, load_config
+from bapo_nemo.embedded.config.run_config import RunConfigError, load_config
+from bapo_nemo.embedded.run.compare import CompareError, tracking_overrides
 from bapo_nemo.tracking.redact import redact_text
 
 
@@ -65,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     """Exit 0 when the run finished (or stopped on the requeue request, SIGUSR1); 128 + the signal's number
     when a signal stopped it after a checkpoint (130 for Ctrl-C, 143 for SIGTERM); 2 on a user error (one
     line on stderr naming the key or file and the fix)."""
+    _warnings_as_lines()  # first: reading the config may warn (an old key name)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"grpo.seed={args.seed}")
@@ -97,17 +98,16 @@ def main(args: argparse.Namespace) -> int:
         print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
               "float32 on most CPUs and less exact; add policy.precision=float32 for the CPU setting",
               file=sys.stderr)
-    _warnings_as_lines()
     # torch/transformers load only now
-    from bapo_nemo.embedded.checkpoint import CheckpointError
-    from bapo_nemo.embedded.model import ModelLoadError
-    from bapo_nemo.embedded.resume import ResumeError
-    from bapo_nemo.embedded.run_lock import OutputDirError, OutputDirLock
-    from bapo_nemo.embedded.run_log import append_line
-    from bapo_nemo.embedded.run_summary import summary_record, summary_text
-    from bapo_nemo.embedded.step_metrics import NoLearningSignalError
-    from bapo_nemo.embedded.tasks import TaskFileError
-    from bapo_nemo.embedded.trainer import train
+    from bapo_nemo.embedded.data.tasks import TaskFileError
+    from bapo_nemo.embedded.loop.step_metrics import NoLearningSignalError
+    from bapo_nemo.embedded.model.policy import ModelLoadError
+    from bapo_nemo.embedded.output.checkpoint import CheckpointError
+    from bapo_nemo.embedded.output.run_log import append_line
+    from bapo_nemo.embedded.output.run_summary import summary_record, summary_text
+    from bapo_nemo.embedded.run.resume import ResumeError
+    from bapo_nemo.embedded.run.run_lock import OutputDirError, OutputDirLock
+    from bapo_nemo.embedded.run.trainer import train
     from bapo_nemo.tracking.store import TrackingConfigError, TrackingUnavailableError
 
     user_errors = (ResumeError, ModelLoadError, TaskFileError, CheckpointError, TrackingConfigError,
@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
         ending = summary_text(summary, config.logger.mlflow.experiment_name, config.eval.k, _command(args, summary),
                               beside)
     print(redact_text(ending))  # as summary.json holds it: no password of the tracking URI, no token
-    from bapo_nemo.embedded.stop_signals import exit_status
+    from bapo_nemo.embedded.run.interrupts import exit_status
 
     return exit_status(summary["stopped_by_signal"])
 
@@ -148,9 +148,9 @@ def _warnings_as_lines() -> None:
     import logging
     import warnings
 
-    from bapo_nemo.embedded.run_log import LOGGER
+    from bapo_nemo.embedded.output.run_log import LOGGER
 
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parents[2]  # bapo_nemo/
     python_default = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -170,7 +170,7 @@ def _ending(exc: BaseException) -> str:
 
 def _command(args: argparse.Namespace, summary: dict) -> list[str]:
     """The command line that ran this run, as the user can run it again here."""
-    from bapo_nemo.embedded.run_summary import shown_path
+    from bapo_nemo.embedded.output.run_summary import shown_path
 
     command = ["bapo-nemo", "train", args.config, *args.overrides, "--output-dir", shown_path(summary["output_dir"])]
     if args.seed is not None:
@@ -185,7 +185,7 @@ def _command(args: argparse.Namespace, summary: dict) -> list[str]:
 
 
 def _compared(compare_with: str, output_dir: str):
-    from bapo_nemo.embedded.compare import CompareError, compared_run
+    from bapo_nemo.embedded.run.compare import CompareError, compared_run
 
     if Path(compare_with).resolve() == Path(output_dir).resolve():
         raise CompareError(f"--compare-with {compare_with} is this run's own --output-dir: give the directory of "

@@ -1,12 +1,9 @@
-"""The run's own log: one line per RL step and the decisions that matter (resuming from step N, starting
-fresh, a skipped checkpoint, stopping on a signal), appended to `<output_dir>/train.log` and, for batch
-jobs without a progress bar, printed to stderr; warnings reach stderr under a progress bar too.
+"""The run's own log: one line per RL step and the decisions that matter (resume or fresh start, a skipped
+checkpoint, a stop on a signal), appended to `<output_dir>/train.log` and, for batch jobs without a
+progress bar, printed to stderr (warnings reach stderr under a bar too). The bar and the lines name each
+quantity alike: `train_acc` (the share of the step's responses with a positive reward), `heldout_avg@k`.
 
-The progress bar and the per-step lines name each quantity the same way: `train_acc` is the share of this
-step's responses with a positive reward, `heldout_avg@k` the held-out evaluation (every `grpo.val_period` steps).
-
-    with run_log(output_dir, to_stderr=not progress) as log:
-        log.info("resuming from step 10 (checkpoints/step_10)")
+    with run_log(output_dir, to_stderr=not progress) as log: log.info("resuming from step 10")
 """
 
 from __future__ import annotations
