@@ -135,7 +135,7 @@ def test_the_tier_caches_bytecode_in_its_environment_even_where_writing_it_is_tu
 
 def test_a_part_still_running_prints_a_progress_line_with_its_newest_output(checkout):
     root, _, _, env = checkout
-    done = run(root, {**env, "PROGRESS_S": "1", "TIER_SLEEPS": "4"})
+    done = run(root, {**env, "PROGRESS_S": "1", "TIER_SLEEPS": "8"})
     assert done.returncode == 0, done.stdout + done.stderr
     progress = re.findall(r"^== \d+ s, (nemo_rl-\w+): (.*)$", done.stdout, flags=re.MULTILINE)
     assert {name for name, _ in progress} == {"nemo_rl-v070", "nemo_rl-main"}
