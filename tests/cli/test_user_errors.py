@@ -250,6 +250,10 @@ CASES = [
     Case("missing model directory and a small dataset together", _missing_model_and_small_data, 2,
          ["2 problems stop this run", "policy.model_name='./own/tiny_model': no such directory",
           "data.eval_size=64 holds out every prompt", "set data.eval_size=2"]),
+    Case("no GPU beside a missing model directory and a small dataset: all three together",
+         lambda tmp: [*_missing_model_and_small_data(tmp), "runtime.device=cuda"], 2,
+         ["3 problems stop this run", "runtime.device=cuda but torch sees no CUDA GPU", "add runtime.device=cpu",
+          "policy.model_name='./own/tiny_model': no such directory", "set data.eval_size=2"]),
     # a path that does not exist is a missing directory, whether written relative or absolute, never a hub id
     Case("own model directory that does not exist (relative)", _missing_model_dir(lambda tmp: "./own/tiny_model"), 2,
          ["policy.model_name='./own/tiny_model': no such directory", "own/tiny_model does not exist",

@@ -90,9 +90,9 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("error: runtime.device=cuda but torch sees no CUDA GPU (torch "
-                  f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run on a GPU machine "
-                  f"or add {cpu_settings}", file=sys.stderr)
+            missing_gpu = (f"runtime.device=cuda but torch sees no CUDA GPU (torch {torch.__version__}, CUDA build "
+                           f"{torch.version.cuda or 'none'}): run on a GPU machine or add {cpu_settings}")
+            print(f"error: {_with_the_other_startup_problems(missing_gpu, config)}", file=sys.stderr)
             return 2
     elif config.policy.precision == "bfloat16":
         print("note: policy.precision=bfloat16 on CPU: every forward runs under bf16 autocast, slower than "
@@ -140,6 +140,20 @@ def main(args: argparse.Namespace) -> int:
     from bapo_nemo.embedded.run.interrupts import exit_status
 
     return exit_status(summary["stopped_by_signal"])
+
+
+def _with_the_other_startup_problems(first: str, config) -> str:
+    """`first` and every problem the config's paths and dataset show without a model, in one message: one
+    attempt shows every problem."""
+    from bapo_nemo.embedded.run.startup_problems import StartupError, check_paths
+    from bapo_nemo.embedded.run.task_source import tokenizer_free_problems
+
+    problems = [first]
+    try:
+        check_paths(config)
+    except StartupError as exc:
+        problems += exc.problems
+    return str(StartupError(problems + tokenizer_free_problems(config)))
 
 
 def _warnings_as_lines() -> None:
