@@ -165,10 +165,10 @@ def set_twice(data: dict) -> list[str]:
 
 
 def _has(data: dict, key: str) -> bool:
-    for p in key.split("."):
-        if not isinstance(data, dict) or p not in data:
-            return False
-        data = data[p]
+    try:
+        _get(data, key)
+    except (KeyError, TypeError):
+        return False
     return True
 
 
