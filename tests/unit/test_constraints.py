@@ -79,8 +79,9 @@ def test_the_readme_commands_and_ci_install_the_locked_torch_with_the_lock():
     installs = [line for line in readme.splitlines() if line.startswith("python -m venv")][:2]
     assert len(installs) == 2, "the README's first screen has the main job's and the tests' set-up commands"
     torch = f"torch=={locked()['torch'].public}"
-    for command in installs:
-        assert f"pip install {LOCK_OPTION} {torch} -e " in command, command
+    main_job, tests = installs
+    assert f"pip install {LOCK_OPTION} {torch} -e " in main_job, main_job
+    assert f"uv pip install --compile-bytecode {LOCK_OPTION} {torch} -e " in tests, tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert installs[1] in ci, "keep .ci/run running the README's test command verbatim"
 
