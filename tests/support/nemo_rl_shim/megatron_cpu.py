@@ -33,6 +33,12 @@ see the machine as it is. What it replaces, and why:
 4. Start-up only: wandb, mlflow and swanlab, imported at the top of NeMo-RL's logger module (and
    megatron-core's timers) but never called by a policy worker, load on first use instead of at import
    (~3 CPU-s of each of a rehearsal's 16 worker start-ups). A use loads the real package.
+5. Start-up only: megatron-core puts its weights-only loader in `torch.storage._load_from_bytes`, so a
+   tensor pickled in a process that imported it names `megatron.core.safe_globals`, and every process
+   that unpickles one imported megatron-core: each generation worker, at the driver's first batch (~6
+   CPU-s each, on the first step's path). The loader is pickled under torch's own name instead
+   (`_pickled_under_torchs_name`): a receiver with megatron-core imported still loads with it, one
+   without loads as it would had the sender never imported megatron-core.
 """
 
 from __future__ import annotations
@@ -499,4 +505,14 @@ def install() -> None:
         for name in names:
             if not hasattr(module, name):
                 setattr(module, name, _placeholder(module_name, name))
+    _pickled_under_torchs_name()
     _INSTALLED = True
+
+
+def _pickled_under_torchs_name() -> None:
+    """megatron-core's `torch.storage._load_from_bytes` pickled by that name (item 5)."""
+    import torch.storage
+
+    loader = torch.storage._load_from_bytes
+    if loader.__module__.startswith("megatron."):
+        loader.__module__, loader.__qualname__ = "torch.storage", "_load_from_bytes"
