@@ -26,6 +26,7 @@ from bapo_nemo.plan.rules.cluster_plan import ClusterPlan
 from bapo_nemo.plan.rules.findings import Finding
 from bapo_nemo.plan.rules.gpus import fp8_rules
 from bapo_nemo.plan.rules.length_checks import length_rules
+from bapo_nemo.plan.rules.logprob_checks import logprob_mode_rules
 from bapo_nemo.plan.rules.memory import memory_rules
 from bapo_nemo.plan.rules.models import ModelShape
 from bapo_nemo.plan.rules.partial_checks import partial_rollout_rules
@@ -87,6 +88,7 @@ RULES: tuple[Rule, ...] = (
     Rule("parallel sizes", parallel_rules, _with_plan(lambda r, c: r(c.config, c.plan, c.model)), EVERYWHERE),
     Rule("batches", batch_rules, _with_plan(lambda r, c: r(c.config, c.plan)), EVERYWHERE),
     Rule("generation", generation_rules, lambda r, c: r(c.config, c.plan, c.model), EVERYWHERE),
+    Rule("log-prob mode", logprob_mode_rules, lambda r, c: r(c.config, c.nemo_rl), EVERYWHERE),
     Rule("lengths", length_rules, lambda r, c: r(c.config), EVERYWHERE),
     Rule("loss", loss_rules, lambda r, c: r(c.config, c.plan), EVERYWHERE),
     Rule("checkpoints", checkpoint_rules, lambda r, c: r(c.config), EVERYWHERE),

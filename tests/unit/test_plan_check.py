@@ -245,6 +245,32 @@ def test_check_takes_the_keys_of_the_nemo_rl_the_job_runs(capsys, monkeypatch):
     assert "--nemo-rl installed: no NeMo-RL is importable here" in capsys.readouterr().out
 
 
+def test_sampling_that_changes_the_distribution_needs_processed_logprobs_on_main(capsys):
+    """On NeMo-RL main (logprobs_mode is a key there, vLLM's default raw), temperature, top-p or top-k
+    without processed_logprobs is an error naming the key, each setting and the fix; the presets'
+    neutral sampling, processed_logprobs, and v0.7.0 (which always asks for processed) pass."""
+    from bapo_nemo.plan.rules.logprob_checks import MODE_KEY, logprob_mode_rules
+
+    preset = load_nemo_config(CONFIGS / "bapo_7b.yaml", [])
+    assert logprob_mode_rules(preset, "main") == []  # temperature 1, top_p 1, top_k null
+    hot = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["policy.generation.temperature=0.7",
+                                                      "policy.generation.top_k=50"])
+    (finding,) = logprob_mode_rules(hot, "main")
+    assert (finding.level, finding.key) == ("error", MODE_KEY)
+    assert finding.message.startswith("not set, so vLLM's default, raw_logprobs: ")
+    assert "before policy.generation.temperature=0.7, policy.generation.top_k=50 while" in finding.message
+    assert finding.message.endswith("set it to processed_logprobs (as NeMo-RL's own GRPO examples do)")
+    assert logprob_mode_rules(hot, "v0.7.0") == []
+    fixed = load_nemo_config(CONFIGS / "bapo_7b.yaml", ["policy.generation.temperature=0.7",
+                                                        f"++{MODE_KEY}=processed_logprobs"])
+    assert logprob_mode_rules(fixed, "main") == []
+    argv = ["check", str(CONFIGS / "bapo_7b.yaml"), "--nodes", "1", "--gpus-per-node", "8",
+            "policy.generation.top_p=0.9", "--nemo-rl", "main"]
+    assert cli_main(argv) == 1
+    out = capsys.readouterr().out
+    assert MODE_KEY in out and "not set, so vLLM's default, raw_logprobs" in out
+
+
 def test_loader_overrides_and_override_marker(tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"a": {"x": 1, "y": 2}, "b": {"n": 3}, "m": "${mul:${b.n},2}"}))
