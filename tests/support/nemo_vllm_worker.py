@@ -52,7 +52,7 @@ class CPUEngineVllmGenerationWorker(CPUEngineVllmGenerationWorkerImpl):
 
 
 def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float, max_model_len: int,
-                      pad_token_id: int, stop_token_ids: list[int] | None = None) -> dict[str, Any]:
+                      pad_token_id: int) -> dict[str, Any]:
     """A complete `VllmConfig` for one synchronous engine (TP 1) on the tiny model, token-id prompts, as
     NeMo-RL's `configure_generation_config` leaves it (real weights loaded: the trainer holds the same)."""
     return {
@@ -60,7 +60,7 @@ def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float
         "temperature": temperature, "top_p": 1.0, "top_k": None,
         # validation's sampling: NeMo-RL main requires the keys, v0.7.0 ignores them
         "val_temperature": temperature, "val_top_p": 1.0, "val_top_k": None,
-        "stop_token_ids": stop_token_ids, "stop_strings": None, "_pad_token_id": pad_token_id,
+        "stop_token_ids": None, "stop_strings": None, "_pad_token_id": pad_token_id,
         "colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}},
         "vllm_cfg": {
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,

@@ -16,6 +16,8 @@ On a GPU, vLLM's unquantised layers read their parameters at every call; here th
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.model_executor.layers import utils as layer_utils
 
@@ -43,8 +45,6 @@ class RefitExtension:
 
     def report_device_id(self) -> str:
         """NeMo-RL's worker asks for its device's UUID (the key of its CUDA-IPC refit): the CPU here."""
-        import os
-
         return f"cpu-{os.getpid()}"
 
     def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> dict:
