@@ -189,6 +189,18 @@ def _mlflow_tracking_uri() -> str | None:
     return mlflow.get_tracking_uri() if mlflow is not None and mlflow.is_tracking_uri_set() else None
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_put_back_after_the_module():
+    """The same for a module's own fixtures (autouse ones start first and end last in their scope): e.g.
+    `ray.init()` in one exports PYTHONBREAKPOINT and RAY_USAGE_STATS_ENABLED for good, and every later
+    `bapo-nemo` call in that worker would then be exec'd (tests/support/cli_process.py)."""
+    environment = dict(os.environ)
+    yield
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
 @pytest.fixture(autouse=True)
 def _environment_put_back():
     """What a test sets process-wide must not change what later tests in the same worker, or the

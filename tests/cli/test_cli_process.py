@@ -34,9 +34,10 @@ def test_a_forked_call_answers_as_a_fresh_interpreter_does(tmp_path, monkeypatch
 def test_the_call_is_a_process_of_its_own_in_the_directory_it_was_given(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"task": {"train_file": "absent.jsonl"}, "runtime": {"progress": False}}))
-    process = cli_process.start("train", str(cfg), "--output-dir", "out", cwd=tmp_path,
-                                env=cli_process.cli_env({"MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db"}))
-    assert isinstance(process, cli_process.CliProcess)  # MLflow reads MLFLOW_* when called: forked
+    env = cli_process.cli_env({"MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db"})
+    process = cli_process.start("train", str(cfg), "--output-dir", "out", cwd=tmp_path, env=env)
+    # MLflow reads MLFLOW_* when called: forked. Anything else would be a variable an earlier test left set
+    assert isinstance(process, cli_process.CliProcess), cli_process.read_at_import_and_differing(env)
     assert process.wait(HANG_GUARD_S) == 2
     assert process.pid != os.getpid()
     _, stderr = process.communicate()

@@ -139,11 +139,16 @@ class CliProcess:
 
 
 def _can_fork(env: dict) -> bool:
-    if os.environ.get("BAPO_TEST_EXEC_CLI") == "1":
-        return False
+    return os.environ.get("BAPO_TEST_EXEC_CLI") != "1" and not read_at_import_and_differing(env)
+
+
+def read_at_import_and_differing(env: dict) -> list[str]:
+    """The variables in which `env` differs from the server's that modules may read when imported: a call
+    with any of them is exec'd."""
     server_env = _server_env if _server_env is not None else dict(os.environ)
     differing = {key for key in set(env) | set(server_env) if env.get(key) != server_env.get(key)}
-    return all(key in _READ_AT_CALL_TIME_EXACT or key.startswith(_READ_AT_CALL_TIME) for key in differing)
+    return sorted(key for key in differing
+                  if key not in _READ_AT_CALL_TIME_EXACT and not key.startswith(_READ_AT_CALL_TIME))
 
 
 def _context():
