@@ -13,3 +13,9 @@ _src = os.environ.get("NEMO_RL_SRC")
 _usable = _src and os.path.isdir(os.path.join(_src, "nemo_rl")) and _src not in sys.path
 if _usable and importlib.util.find_spec("nemo_rl") is None:  # an installed nemo_rl (the container) wins
     sys.path.append(_src)
+
+# A Ray worker of a private test head: forked from the head's warm zygote (tests/support/ray_zygote.py).
+if os.environ.get("BAPO_TEST_RAY_ZYGOTE", "off") != "off":
+    import ray_zygote_client
+
+    ray_zygote_client.hand_over_if_asked()
