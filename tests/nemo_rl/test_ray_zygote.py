@@ -72,7 +72,7 @@ def test_a_worker_is_forked_from_the_zygote_and_is_what_ray_would_start(head):
 
 
 def test_a_sigkilled_forked_worker_is_a_dead_actor_in_ray(head):
-    ray, zygote_pid = head
+    ray, _ = head
 
     @ray.remote(num_cpus=1)
     class Probe:

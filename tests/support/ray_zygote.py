@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import atexit
 import importlib
+import io
 import json
 import os
 import runpy
@@ -54,9 +55,9 @@ def description_path(socket_path: str | Path) -> Path:
 
 def start(socket_path: Path, env: dict) -> subprocess.Popen:
     """The server for `socket_path`, started with `env` (the head's) and ready (its description written)."""
-    log = open(f"{socket_path}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.ray_zygote", str(socket_path)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+    with open(f"{socket_path}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.ray_zygote", str(socket_path)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
     deadline = time.time() + READY_TIMEOUT_S
     while not description_path(socket_path).is_file():
         if proc.poll() is not None or time.time() > deadline:
@@ -145,9 +146,11 @@ def _become_worker(request: dict, fds: list[int]) -> None:
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGPIPE):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
+    # the streams a fresh interpreter makes for files: stdout block-buffered, stderr line-buffered
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.realpath(script))  # as `python SCRIPT` puts it

@@ -59,7 +59,8 @@ def _stand_for_the_worker(socket_path: str) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT):
         signal.signal(signum, relay)
-    pid, code = _read_int(conn), _read_int(conn)
+    _read_int(conn)  # the worker's pid: Ray learns it when the worker registers
+    code = _read_int(conn)
     if code is None:
         os._exit(1)
     if code < 0:  # killed by a signal: end the same way
