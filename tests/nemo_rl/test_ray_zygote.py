@@ -35,6 +35,17 @@ def _describe():
     }
 
 
+class Probe:
+    """A Ray actor (made one per test, with that test's options)."""
+
+    def describe(self):
+        return _describe()
+
+    def wait(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+
 @pytest.fixture(scope="module")
 def head():
     import json
@@ -53,19 +64,15 @@ def head():
 def test_a_worker_is_forked_from_the_zygote_and_is_what_ray_would_start(head):
     ray, zygote_pid = head
 
-    @ray.remote(num_cpus=1)
-    class Probe:
-        def describe(self):
-            return _describe()
-
-    forked = ray.get(Probe.options(runtime_env={"env_vars": {"BAPO_TEST_MARKER": "forked"}}).remote().describe.remote())
+    probe = ray.remote(num_cpus=1)(Probe)
+    forked = ray.get(probe.options(runtime_env={"env_vars": {"BAPO_TEST_MARKER": "forked"}}).remote().describe.remote())
     assert forked["grandparent"] == zygote_pid  # zygote -> helper -> worker
     assert forked["argv0"].endswith(os.path.join("ray", "_private", "workers", "default_worker.py"))
     assert forked["marker"] == "forked"  # the runtime_env's variable, set by Ray for this worker only
     assert forked["job_id"]  # Ray's per-worker variables reach Ray's own C++ core (it registered)
 
     # HF_HOME is read when transformers is imported: that worker is started by Ray, not forked
-    started = ray.get(Probe.options(runtime_env={"env_vars": {"HF_HOME": "/nonexistent/hf"}}).remote().describe.remote())
+    started = ray.get(probe.options(runtime_env={"env_vars": {"HF_HOME": "/nonexistent/hf"}}).remote().describe.remote())
     assert started["grandparent"] != zygote_pid and started["parent_name"] == "raylet"
     assert started["hf_home"] == "/nonexistent/hf"
     assert (forked["cwd"], forked["threads"]) == (started["cwd"], started["threads"])
@@ -74,16 +81,7 @@ def test_a_worker_is_forked_from_the_zygote_and_is_what_ray_would_start(head):
 def test_a_sigkilled_forked_worker_is_a_dead_actor_in_ray(head):
     ray, _ = head
 
-    @ray.remote(num_cpus=1)
-    class Probe:
-        def describe(self):
-            return _describe()
-
-        def wait(self, seconds):
-            time.sleep(seconds)
-            return seconds
-
-    actor = Probe.remote()
+    actor = ray.remote(num_cpus=1)(Probe).remote()
     pid = ray.get(actor.describe.remote())["pid"]
     pending = actor.wait.remote(600)
     os.kill(pid, signal.SIGKILL)

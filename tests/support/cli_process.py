@@ -19,7 +19,6 @@ as is every call when BAPO_TEST_EXEC_CLI=1 (to rule this out when a test fails).
 
 from __future__ import annotations
 
-import atexit
 import io
 import multiprocessing
 import os
@@ -27,9 +26,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from tests.support.forked_process import exit_as_the_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = [sys.executable, "-m", "bapo_nemo.cli"]
@@ -200,12 +200,4 @@ def _child_main(args: list[str], cwd: str, env: dict, stdout_path: str, stderr_p
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    # the interpreter's exit: wait for non-daemon threads, run atexit handlers, flush the streams
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_as_the_interpreter(code)

@@ -26,7 +26,6 @@ BAPO_TEST_RAY_ZYGOTE=off (or unset) starts every worker as Ray does.
 from __future__ import annotations
 
 import array
-import atexit
 import importlib
 import io
 import json
@@ -38,9 +37,10 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from tests.support.forked_process import exit_as_the_interpreter
 
 ENV = "BAPO_TEST_RAY_ZYGOTE"
 PRELOAD = ("torch", "transformers", "transformers.video_utils", "transformers.generation.candidate_generator",
@@ -164,14 +164,7 @@ def _become_worker(request: dict, fds: list[int]) -> None:
 
         traceback.print_exc()
         code = 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_as_the_interpreter(code)
 
 
 if __name__ == "__main__":
