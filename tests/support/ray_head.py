@@ -71,21 +71,23 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-    for zygote in getattr(proc, "zygotes", ()):  # its workers, forked from it, have gone with the head
+    zygote = getattr(proc, "zygote", None)
+    if zygote is not None:  # its workers, forked from it, have gone with the head
         zygote.kill()
         zygote.wait()
 
 
-def _worker_zygote(temp_dir: Path) -> tuple[dict, list[subprocess.Popen]]:
+def _worker_zygote(temp_dir: Path) -> tuple[dict, subprocess.Popen | None]:
     """The head's environment and, in the NeMo-RL tier, the warm parent its Python workers are forked from
     (tests/support/ray_zygote.py; BAPO_TEST_RAY_ZYGOTE=off starts them as Ray does)."""
     env = dict(os.environ)
     # OMP_NUM_THREADS set: Ray then leaves it as it is, so the OpenMP runtime the zygote loaded has the
     # thread count a fresh worker's would read (Ray sets it only in workers that start without it)
     if not env.get("NEMO_RL_SRC") or env.get(ray_zygote.ENV) == "off" or not env.get("OMP_NUM_THREADS"):
-        return {**env, ray_zygote.ENV: "off"}, []
-    env[ray_zygote.ENV] = str(temp_dir / "zygote.sock")
-    return env, [ray_zygote.start(temp_dir / "zygote.sock", env)]
+        return {**env, ray_zygote.ENV: "off"}, None
+    socket_path = temp_dir / "zygote.sock"
+    env[ray_zygote.ENV] = str(socket_path)
+    return env, ray_zygote.start(socket_path, env)
 
 
 def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, str]:
@@ -96,11 +98,11 @@ def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, st
     for attempt in range(1, START_ATTEMPTS + 1):
         temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
         address_file, client_port = Path(temp_dir) / "ray_current_cluster", free_port()
-        env, zygotes = _worker_zygote(Path(temp_dir))
+        env, zygote = _worker_zygote(Path(temp_dir))
         with open(Path(temp_dir) / "head.log", "w") as log:
             command = _start_command(num_cpus, num_gpus, temp_dir, client_port)
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        proc.zygotes = zygotes
+        proc.zygote = zygote
         deadline = time.time() + START_TIMEOUT_S
         while proc.poll() is None and time.time() < deadline:
             address = address_file.read_text().strip() if address_file.is_file() else ""
