@@ -87,3 +87,21 @@ def test_a_sigkilled_forked_worker_is_a_dead_actor_in_ray(head):
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(ray.exceptions.ActorDiedError):
         ray.get(pending, timeout=120)
+
+
+def test_a_variable_safe_to_differ_is_unsafe_once_the_zygotes_imports_read_it(head):
+    """The client's rule, on the running zygote's own description: Ray's per-worker variables may differ,
+    any variable the zygote's imports looked up (HF_HOME: transformers) may not, safe-listed or not."""
+    import json
+
+    ray, _ = head
+    from tests.support.nemo_rl_shim.ray_zygote_client import unsafe_differences
+
+    socket_path = ray.get(ray.remote(lambda: os.environ["BAPO_TEST_RAY_ZYGOTE"]).remote())
+    with open(f"{socket_path}.json") as f:
+        zygote = json.load(f)
+    assert "HF_HOME" in zygote["read_at_import"]
+    env = zygote["env"]
+    assert unsafe_differences(env, {**env, "RAY_JOB_ID": "07000000", "RANK": "3"}, zygote["read_at_import"]) == []
+    assert unsafe_differences(env, {**env, "HF_HOME": "/elsewhere"}, zygote["read_at_import"]) == ["HF_HOME"]
+    assert unsafe_differences(env, {**env, "RANK": "3"}, ["RANK"]) == ["RANK"]

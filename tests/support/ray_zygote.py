@@ -1,10 +1,11 @@
-"""A warm parent for the Ray workers of a test's private head: it imports torch, transformers and
-math_verify once, and every Ray worker process the head starts is forked from it instead of importing
-them again.
+"""A warm parent for the Ray workers of a test's private head: it imports torch, transformers, megatron-core
+and the other packages most workers import (PRELOAD) once, and every Ray worker process the head starts is
+forked from it instead of importing them again.
 
 Why: on the CI's 2 cores the NeMo-RL tier's CPU is mostly Ray workers starting (about 150 per tree: policy,
 generation, initializer, environment and buffer actors), each importing torch, transformers (and through
-it scikit-learn and torchvision) in a fresh interpreter: 4-5 CPU-s before its own code runs.
+it scikit-learn and torchvision) in a fresh interpreter: 4-5 CPU-s before its own code runs, and
+megatron-core another 2-3 in each policy worker.
 
 How (tests/support/nemo_rl_shim/ray_zygote_client.py is the other half): the head is started with
 BAPO_TEST_RAY_ZYGOTE naming this server's socket. Every Python process starts by importing the shim's
@@ -18,8 +19,10 @@ status; if the client dies the worker is killed.
 
 What must hold for a fork to be that worker: nothing imported here reads a variable in which the worker's
 environment differs from this server's (the client hands over only when the differences are in
-`ray_zygote_client.SAFE_TO_DIFFER`), the same interpreter and flags, and Ray's own C++ library not loaded
-here (it reads RAY_JOB_ID and its config from the environment when loaded: asserted at start-up).
+`ray_zygote_client.SAFE_TO_DIFFER` and none of them was looked up by Python code during the imports: the
+server notes those), what the imports set in the environment set in the worker too, the same interpreter
+and flags, and Ray's own C++ library not loaded here (it reads RAY_JOB_ID and its config from the
+environment when loaded: asserted at start-up).
 BAPO_TEST_RAY_ZYGOTE=off (or unset) starts every worker as Ray does.
 """
 
@@ -43,8 +46,15 @@ from pathlib import Path
 from tests.support.forked_process import exit_as_the_interpreter
 
 ENV = "BAPO_TEST_RAY_ZYGOTE"
+# What the workers import before their own code runs (measured: the modules most of a tree's ~150 workers
+# imported after the fork), except Ray and NeMo-RL, which import Ray's C++ library. megatron-core is ~2 CPU-s
+# of each policy worker's start; the rest ~1-2 CPU-s of every worker's. Not numba (17 workers import it):
+# its import looks up COLUMNS and LINES, in which the workers differ, so none would be forked.
 PRELOAD = ("torch", "transformers", "transformers.video_utils", "transformers.generation.candidate_generator",
-           "math_verify")
+           "transformers.modeling_utils", "transformers.convert_slow_tokenizer", "math_verify",
+           "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "datasets", "tensordict", "hydra", "omegaconf", "pydantic",
+           "fastapi", "uvicorn", "zmq", "aiohttp", "requests", "jsonschema", "google.protobuf")
 READY_TIMEOUT_S = 300  # a hang guard: a loaded 2-core machine
 
 
@@ -67,15 +77,52 @@ def start(socket_path: Path, env: dict) -> subprocess.Popen:
     return proc
 
 
+class _RecordingEnviron(os._Environ):
+    """os.environ, noting each name looked up (`os.environ[k]`, `.get`, `in`, `os.getenv`). A scan of the
+    whole environment (tqdm reads its TQDM_* options so) is not a lookup."""
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def items(self):
+        return {self.decodekey(k): self.decodevalue(v) for k, v in self._data.items()}.items()
+
+    def copy(self):
+        return dict(self.items())
+
+
+def _import_noting_environment_reads(names) -> set[str]:
+    """Import `names`; the environment variables Python code looked up meanwhile (C++ getenv is not seen)."""
+    real = os.environ
+    recording = object.__new__(_RecordingEnviron)
+    recording.__dict__.update(real.__dict__)  # the same variables: writes reach both and the process's
+    recording.read = set()
+    os.environ = recording  # noqa: B003 - the same variables, read through a recorder (not a new environment)
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        os.environ = real  # noqa: B003
+    return {key for key in recording.read if isinstance(key, str)}
+
+
 def serve(socket_path: str) -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
+    env_before = dict(os.environ)
+    read_at_import = _import_noting_environment_reads(PRELOAD)
+    # what the imports set (scikit-learn: KMP_INIT_AT_FORK), a fresh worker's imports set too
+    set_at_import = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
     assert "ray._raylet" not in sys.modules, "ray's C++ library must not be loaded before the fork"
+    if "megatron.core" in sys.modules:  # its tensor loader pickled as torch's, as in a Megatron test worker
+        from tests.support.nemo_rl_shim.megatron_cpu import pickled_under_torchs_name
+
+        pickled_under_torchs_name()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the helpers are reaped by the kernel
-    description = {"pid": os.getpid(), "executable": sys.executable, "flags": list(sys.flags), "env": dict(os.environ)}
+    description = {"pid": os.getpid(), "executable": sys.executable, "flags": list(sys.flags), "env": env_before,
+                   "read_at_import": sorted(read_at_import), "set_at_import": set_at_import}
     tmp = description_path(socket_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(description))
     tmp.rename(description_path(socket_path))
@@ -84,18 +131,18 @@ def serve(socket_path: str) -> None:
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _helper(conn)
+            _helper(conn, set_at_import)
         conn.close()
 
 
-def _helper(conn: socket.socket) -> None:
+def _helper(conn: socket.socket, set_at_import: dict) -> None:
     """Fork the worker, tell the client its pid, relay signals, report its exit status."""
     try:
         request, fds = _receive(conn)
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _become_worker(request, fds)
+            _become_worker(request, fds, set_at_import)
         for fd in fds:
             os.close(fd)
         conn.sendall(struct.pack("!i", pid))
@@ -135,14 +182,16 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _become_worker(request: dict, fds: list[int]) -> None:
-    """In the forked worker: become `python SCRIPT ARGS` as the client was started, and exit with its status."""
+def _become_worker(request: dict, fds: list[int], set_at_import: dict) -> None:
+    """In the forked worker: become `python SCRIPT ARGS` as the client was started, after the imports it would
+    have done, and exit with its status."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ.update(set_at_import)
     for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGPIPE):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

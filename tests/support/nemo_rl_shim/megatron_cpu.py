@@ -37,7 +37,7 @@ see the machine as it is. What it replaces, and why:
    tensor pickled in a process that imported it names `megatron.core.safe_globals`, and every process
    that unpickles one imported megatron-core: each generation worker, at the driver's first batch (~6
    CPU-s each, on the first step's path). The loader is pickled under torch's own name instead
-   (`_pickled_under_torchs_name`): a receiver with megatron-core imported still loads with it, one
+   (`pickled_under_torchs_name`): a receiver with megatron-core imported still loads with it, one
    without loads as it would had the sender never imported megatron-core.
 """
 
@@ -505,11 +505,11 @@ def install() -> None:
         for name in names:
             if not hasattr(module, name):
                 setattr(module, name, _placeholder(module_name, name))
-    _pickled_under_torchs_name()
+    pickled_under_torchs_name()
     _INSTALLED = True
 
 
-def _pickled_under_torchs_name() -> None:
+def pickled_under_torchs_name() -> None:
     """megatron-core's `torch.storage._load_from_bytes` pickled by that name (item 5)."""
     import torch.storage
 

@@ -12,8 +12,9 @@ import sys
 
 WORKER_SCRIPT = os.path.join("ray", "_private", "workers", "default_worker.py")
 # Variables a worker's environment may have other than the zygote's: Ray's own, set per worker, and those
-# NeMo-RL passes on from its driver or sets per actor (loggers, venvs, ranks); none is read when torch,
-# transformers or math_verify is imported. Any other difference starts the worker as Ray does.
+# NeMo-RL passes on from its driver or sets per actor (loggers, venvs, ranks), unless the zygote's imports
+# read it (it lists what its Python code read; C++ reads are these lists' premise). Any other difference
+# starts the worker as Ray does.
 SAFE_TO_DIFFER_PREFIXES = ("RAY_", "NCCL_", "NVTE_", "VLLM_", "NRL_", "BAPO_", "PYTEST_", "MLFLOW_", "SWANLAB_",
                            "WANDB_", "UV_")
 # TORCH_CUDA_ARCH_LIST and TORCHINDUCTOR_CACHE_DIR are read when torch builds or compiles, not when imported;
@@ -33,14 +34,18 @@ def hand_over_if_asked() -> None:
             zygote = json.load(f)
     except OSError:
         return
-    if zygote["executable"] != sys.executable or zygote["flags"] != list(sys.flags) or _unsafe(zygote["env"]):
+    if zygote["executable"] != sys.executable or zygote["flags"] != list(sys.flags):
+        return
+    if unsafe_differences(zygote["env"], os.environ, zygote["read_at_import"]):
         return
     _stand_for_the_worker(socket_path)
 
 
-def _unsafe(zygote_env: dict) -> list:
-    differing = {k for k in set(zygote_env) | set(os.environ) if zygote_env.get(k) != os.environ.get(k)}
-    return [k for k in differing if k not in SAFE_TO_DIFFER and not k.startswith(SAFE_TO_DIFFER_PREFIXES)]
+def unsafe_differences(zygote_env, worker_env, read_at_import) -> list[str]:
+    """The variables in which the worker's environment differs from the zygote's and the fork would show."""
+    differing = {k for k in set(zygote_env) | set(worker_env) if zygote_env.get(k) != worker_env.get(k)}
+    safe = {k for k in differing if k in SAFE_TO_DIFFER or k.startswith(SAFE_TO_DIFFER_PREFIXES)}
+    return sorted(differing - (safe - set(read_at_import)))
 
 
 def _stand_for_the_worker(socket_path: str) -> None:
