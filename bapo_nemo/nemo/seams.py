@@ -233,6 +233,25 @@ SEAMS: tuple[Seam, ...] = (
         applies=_in_flight_updates,
     ),
     Seam(
+        f"{VLLM_ASYNC_WORKER}:VllmAsyncGenerationWorkerImpl.update_weights_via_ipc_zmq_async",
+        "the engine's collective_rpc wrapped per instance: a weight update runs inside vLLM's workers with a "
+        "count of each request's generated tokens",
+        "nemo/token_versions.py counting_collective_rpc",
+        "the engine applies an update between two of its steps, ahead of what the worker has streamed: only "
+        "there is it known which tokens of each running request came before it",
+        (
+            Site(VLLM_ASYNC_WORKER, "VllmAsyncGenerationWorkerImpl.update_weights_via_ipc_zmq_async",
+                 "self.llm.collective_rpc"),
+            Site(VLLM_ASYNC_WORKER, "VllmAsyncGenerationWorkerImpl.update_weights_from_collective_async",
+                 "self.llm.collective_rpc"),
+        ),
+        runtime="a vLLM worker without model_runner.requests stops the run at the first update "
+        "(token_versions.update_and_count_generated); tests/nemo_rl/test_vllm_inflight_update.py runs it in "
+        "both pinned vLLM releases",
+        feature="grpo.async_grpo.in_flight_weight_updates",
+        applies=_in_flight_updates,
+    ),
+    Seam(
         f"{GRPO}:refit_policy_generation",
         "module name replaced by a wrapper (in-flight updates); called before the async loop",
         "nemo/token_versions.py TokenVersions.install, nemo/driver.py refit_before_async_loop",

@@ -23,6 +23,8 @@ UPDATE_METHODS = (
     "update_weights_from_collective_async",
     "nccl_reshard_refit_async",
 )
+# What those ask the engine's workers to run (`self.llm.collective_rpc(name)`), between two engine steps.
+ENGINE_UPDATE_METHODS = ("update_weights_via_ipc_zmq", "update_weights_from_collective", "nccl_reshard_refit")
 _PREFIX = "TokenVersioned_"
 _RECORDING = "_bapo_token_versions"
 
@@ -76,6 +78,39 @@ def recording_generate(generate: Callable, tracker: VersionTracker) -> Callable:
     return generate_recorded
 
 
+def update_and_count_generated(worker, method: str, *args, **kwargs) -> dict:
+    """Run inside each of the engine's workers in place of the update `method`: the update, then the tokens
+    each request the worker holds has generated, read in the same call, so no engine step falls between."""
+    result = getattr(worker, method)(*args, **kwargs)
+    held = getattr(getattr(worker, "model_runner", None), "requests", None)  # vLLM's per-request cache
+    if held is None:
+        raise TokenVersionsError(
+            f"vLLM's worker {type(worker).__name__} has no model_runner.requests (its per-request state): "
+            "bapo_nemo/nemo/token_versions.py cannot read which tokens a weight update split; turn "
+            "grpo.async_grpo.in_flight_weight_updates off, or run a tested vLLM"
+        )
+    return {"result": result, "generated": {request: len(state.output_token_ids) for request, state in held.items()}}
+
+
+def counting_collective_rpc(collective_rpc: Callable, tracker: VersionTracker) -> Callable:
+    """vLLM `AsyncLLM.collective_rpc(method, timeout, args, kwargs)` where a weight update (a name in
+    ENGINE_UPDATE_METHODS) also brings back each request's generated-token count at that moment."""
+
+    async def collective_rpc_counted(method, timeout=None, args=(), kwargs=None):
+        if not (isinstance(method, str) and method in ENGINE_UPDATE_METHODS):
+            return await collective_rpc(method, timeout, args, kwargs)
+        answers = await collective_rpc(update_and_count_generated, timeout, (method, *args), kwargs)
+        generated: dict[str, int] = {}
+        for answer in answers:  # each tensor-parallel rank holds every request
+            for request, count in answer["generated"].items():
+                generated[request] = max(count, generated.get(request, 0))
+        tracker.generated_at_update(generated)
+        return [answer["result"] for answer in answers]
+
+    setattr(collective_rpc_counted, _RECORDING, tracker)
+    return collective_rpc_counted
+
+
 def _versioned_class(base_fqn: str):
     import ray
 
@@ -92,6 +127,8 @@ def _versioned_class(base_fqn: str):
         engine = getattr(self, "llm", None)  # None on the workers of a TP group that do not own the engine
         if engine is not None and not hasattr(engine.generate, _RECORDING):
             engine.generate = recording_generate(engine.generate, self._token_versions)
+            if hasattr(engine, "collective_rpc"):  # where the updates reach the engine's workers
+                engine.collective_rpc = counting_collective_rpc(engine.collective_rpc, self._token_versions)
 
     async def generate_async(self, *args, **kwargs):
         self._record_engine()  # an engine rebuilt since (e.g. after a sleep) is wrapped again

@@ -48,16 +48,22 @@ class VersionTracker:
 
     `started(request, prompt_ids)` when a request is submitted, `streamed(request, n)` with the request's
     cumulative token count at every streamed output, `finished(request, token_ids)` at its end. Around a
-    weight update: `update_sent()` when it is sent, then `update_applied()` once the engine uses the new
-    weights, or `update_failed()`. Every live request's boundary is the count it had streamed when the
-    update was sent: tokens the engine produced before the update but had not streamed yet are counted one
-    update newer (on vLLM: the outputs of at most the steps in transit, a few tokens per response).
+    weight update: `update_sent()` when it is sent, `generated_at_update(counts)` with what the engine had
+    generated per request when it applied it, then `update_applied()`, or `update_failed()`.
+
+    A request's boundary is the engine's count where the engine gave one: exact, as the engine applies an
+    update between two of its steps. A request the engine no longer held had finished before the update
+    if any of its tokens had streamed (all on the old weights); else it had not started (all on the new
+    ones; a request that ran whole while its stream was not read is the one misread case). Without the
+    engine's counts the boundary is what had streamed when the update was sent: tokens produced before
+    it but still in transit count one update newer.
     """
 
     def __init__(self) -> None:
         self.updates = 0
         self._live: dict[str, _Live] = {}
         self._pending: dict[str, int] | None = None
+        self._generated: dict[str, int] | None = None
         self._done: list[dict] = []
 
     def started(self, request: str, prompt_ids: Sequence[int]) -> None:
@@ -80,18 +86,35 @@ class VersionTracker:
 
     def update_sent(self) -> None:
         self._pending = {request: live.seen for request, live in self._live.items()}
+        self._generated = None
+
+    def generated_at_update(self, generated: dict[str, int]) -> None:
+        """The engine's generated-token count per request it held when it applied the update. Its request
+        ids may carry a suffix the engine added to ours (vLLM: `<ours>-<8 characters>`)."""
+        self._generated = {}
+        for engine_id, count in generated.items():
+            ours = engine_id if engine_id in self._live else engine_id.rsplit("-", 1)[0]
+            if ours in self._live:
+                self._generated[ours] = int(count)
 
     def update_applied(self) -> None:
         self.updates += 1
-        boundaries = self._pending or {}
         for request, live in self._live.items():
-            # A request started during the update's transfer began on the old weights or the new ones: it
-            # is counted on the new (its first tokens at most one update too new).
-            live.runs.append([boundaries.get(request, 0), self.updates])
-        self._pending = None
+            boundary = self._boundary(request, live)
+            if boundary is not None:
+                live.runs.append([boundary, self.updates])
+        self._pending = self._generated = None
+
+    def _boundary(self, request: str, live: _Live) -> int | None:
+        """Where the update's tokens start in this request; None: none of its tokens are on it."""
+        if self._generated is None:  # a request started during the transfer is counted on the new weights
+            return (self._pending or {}).get(request, 0)
+        if request in self._generated:
+            return self._generated[request]
+        return None if live.seen else 0
 
     def update_failed(self) -> None:
-        self._pending = None
+        self._pending = self._generated = None
 
     def take(self) -> dict:
         """The finished requests' records since the last take, and the updates applied so far."""

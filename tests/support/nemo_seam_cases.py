@@ -101,6 +101,11 @@ CASES = {
         "VllmAsyncGenerationWorkerImpl.generate_async", "self.llm.generate(", "self.engine.generate(",
         tuple(IN_FLIGHT),
     ),
+    "the async vLLM worker's refit reaches its engine by another name": Case(
+        "VllmAsyncGenerationWorkerImpl.update_weights_via_ipc_zmq_async", f"{VLLM}/vllm_worker_async.py",
+        "VllmAsyncGenerationWorkerImpl.update_weights_via_ipc_zmq_async", "self.llm.collective_rpc(",
+        "self.engine.collective_rpc(", tuple(IN_FLIGHT),
+    ),
     "async loop refits through a module": Case(
         "refit_policy_generation", GRPO, "async_grpo_train", "refit_policy_generation(",
         "refit.refit_policy_generation(", tuple(IN_FLIGHT),

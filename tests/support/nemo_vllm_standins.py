@@ -511,7 +511,8 @@ class CPUAsyncLLM:
         finally:
             self._requests.pop(request_id, None)
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
         """The engine's one worker runs `method` between two decode steps; one result per worker."""
         done = asyncio.get_running_loop().create_future()
         self._rpcs.append((method, args, kwargs or {}, done))
@@ -533,10 +534,18 @@ class CPUAsyncLLM:
         if self._task is not None:
             self._task.cancel()
 
-    # -- what collective_rpc runs in the worker (vLLM: the worker extension's methods) -----------------
-    async def _rpc_update_weights_from_collective(self) -> bool:
-        # vLLM receives an NCCL broadcast from the trainer; here the newest weights the policy posted
-        taken = await refit_mailbox().take.remote(self.worker.version)
+    # -- what collective_rpc runs in the worker (vLLM: the worker extension's methods, or a function
+    # called with the worker; this engine is its own worker) ---------------------------------------------
+    @property
+    def model_runner(self) -> SimpleNamespace:
+        """vLLM's per-request cache in the worker: the tokens each request it holds has generated."""
+        return SimpleNamespace(requests={r: SimpleNamespace(output_token_ids=list(request.tokens))
+                                         for r, request in self._requests.items()})
+
+    def update_weights_from_collective(self) -> bool:
+        # vLLM receives an NCCL broadcast from the trainer; here the newest weights the policy posted. The
+        # engine waits for them, as vLLM's engine core does during an update.
+        taken = ray.get(refit_mailbox().take.remote(self.worker.version))
         self.worker.install(taken)
         self.updates += 1
         directory = os.environ.get(RECORD_DIR_ENV)
@@ -545,6 +554,11 @@ class CPUAsyncLLM:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"policy_steps": self.worker.policy_steps, "weights": self.worker.weights}, path)
         return True
+
+    update_weights_via_ipc_zmq = update_weights_from_collective
+
+    async def _rpc_update_weights_from_collective(self) -> bool:
+        return self.update_weights_from_collective()
 
     _rpc_update_weights_via_ipc_zmq = _rpc_update_weights_from_collective
 
@@ -575,7 +589,10 @@ class CPUAsyncLLM:
                 while self._rpcs:  # between two steps
                     method, args, kwargs, done = self._rpcs.popleft()
                     try:
-                        done.set_result(await getattr(self, f"_rpc_{method}")(*args, **kwargs))
+                        if callable(method):
+                            done.set_result(method(self, *args, **kwargs))
+                        else:
+                            done.set_result(await getattr(self, f"_rpc_{method}")(*args, **kwargs))
                     except Exception as error:  # noqa: BLE001  # the caller's, as vLLM's collective_rpc raises it
                         done.set_exception(error)
                 running = [r for r in self._requests.values() if not self._held(r)]

@@ -19,10 +19,12 @@ from typing import Any
 
 import ray
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
+from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
 from tests.support.vllm_engine import ENGINE_ENV, WORKER_EXTENSION
 
 WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
+ASYNC_WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker"
 
 
 class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
@@ -51,8 +53,45 @@ class CPUEngineVllmGenerationWorker(CPUEngineVllmGenerationWorkerImpl):
     """The Ray actor NeMo-RL's VllmGeneration starts (as upstream's `VllmGenerationWorker`)."""
 
 
+class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
+    """NeMo-RL's async worker (`async_engine`: vLLM's AsyncLLM, weight updates while requests run) with the
+    same two replacements as the synchronous one above."""
+
+    def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
+        super()._create_engine({**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION})
+
+    async def generate_across_an_update(self, prompt: list[int], max_tokens: int, seed: int) -> dict:
+        """One request sampled (temperature 1) through the engine's `generate`, held in the engine
+        (`pause_generation(mode="keep")`) once its first output has streamed, NeMo-RL's
+        `update_weights_via_ipc_zmq_async` applied meanwhile, then resumed to its end. The update lands
+        inside the response unless the engine finished it before the pause (`finished_before_update`)."""
+        import uuid
+
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True,
+                                detokenize=False, seed=seed)
+        stream = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id=f"held-{uuid.uuid4().hex}")
+        last = await anext(stream)
+        streamed = len(last.outputs[0].token_ids)
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        updated = await self.update_weights_via_ipc_zmq_async()
+        await self.llm.resume_generation()
+        async for last in stream:
+            pass
+        sample = last.outputs[0]
+        return {"updated": updated, "streamed": streamed, "token_ids": list(sample.token_ids),
+                "logprobs": [float(step[t].logprob) for step, t in zip(sample.logprobs, sample.token_ids)]}
+
+
+@ray.remote
+class CPUEngineVllmAsyncGenerationWorker(CPUEngineVllmAsyncGenerationWorkerImpl):
+    """The Ray actor NeMo-RL's VllmGeneration starts with `async_engine` (as upstream's
+    `VllmAsyncGenerationWorker`)."""
+
+
 def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float, max_model_len: int,
-                      pad_token_id: int) -> dict[str, Any]:
+                      pad_token_id: int, async_engine: bool = False, env: dict | None = None) -> dict[str, Any]:
     """A complete `VllmConfig` for one synchronous engine (TP 1) on the tiny model, token-id prompts, as
     NeMo-RL's `configure_generation_config` leaves it (real weights loaded: the trainer holds the same)."""
     return {
@@ -65,14 +104,14 @@ def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float
         "vllm_cfg": {
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
             "gpu_memory_utilization": 0.5, "max_model_len": max_model_len, "skip_tokenizer_init": True,
-            "async_engine": False, "load_format": "auto", "precision": "float32", "kv_cache_dtype": "auto",
+            "async_engine": async_engine, "load_format": "auto", "precision": "float32", "kv_cache_dtype": "auto",
             "enforce_eager": True, "use_tqdm": False,
             # the log-probs the trainer computes (after temperature): NeMo-RL main's key, whose default is
             # vLLM's raw log-probs (`bapo-nemo check` requires it there); v0.7.0 always asks for these
             "logprobs_mode": "processed_logprobs",
             # a refit must never be answered from blocks computed with the old weights
             "enable_prefix_caching": False,
-            "env_vars": {**ENGINE_ENV, "NRL_DISABLE_NUMA_BINDING": "1"},
+            "env_vars": {**ENGINE_ENV, "NRL_DISABLE_NUMA_BINDING": "1", **(env or {})},
         },
         "vllm_kwargs": {},
     }

@@ -36,6 +36,9 @@ if not torch.cuda.is_available():
     torch.accelerator.synchronize = lambda *args, **kwargs: None
 
 
+REFIT_FILE_ENV = "BAPO_TEST_REFIT_FILE"
+
+
 class RefitExtension:
     """Mixed into vLLM's worker class; its methods are called by name with `collective_rpc`."""
 
@@ -46,6 +49,15 @@ class RefitExtension:
     def report_device_id(self) -> str:
         """NeMo-RL's worker asks for its device's UUID (the key of its CUDA-IPC refit): the CPU here."""
         return f"cpu-{os.getpid()}"
+
+    def update_weights_via_ipc_zmq(self) -> bool:
+        """What NeMo-RL's async worker calls for a refit (`update_weights_via_ipc_zmq_async`). Its CUDA-IPC/ZMQ
+        stream from the trainer is replaced by a safetensors file the test writes first (REFIT_FILE_ENV);
+        the weights end, as upstream's do, in vLLM's own `model.load_weights`."""
+        from safetensors.torch import load_file
+
+        self.load_trainer_weights(list(load_file(os.environ[REFIT_FILE_ENV]).items()))
+        return True
 
     def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> dict:
         """The end of NeMo-RL's refit (`VllmInternalWorkerExtension._load_weights`, after its CUDA-IPC/NCCL

@@ -74,3 +74,20 @@ def trainer_token_logprobs(model, context: Sequence[int], response: Sequence[int
     start = len(context) - 1
     scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+
+
+def trainer_token_logprobs_across_update(old, new, context: Sequence[int], response: Sequence[int], applied_after: int,
+                                         temperature: float = 1.0):
+    """The same for an engine that applied `new` weights in place of `old` after sampling `applied_after`
+    tokens of the response: those on the old weights; every later one on the new weights over the keys and
+    values it had cached before the update (the context's and response[:applied_after - 1]'s: each step
+    caches its input token's, and vLLM keeps a running request's cache across an update)."""
+    ids = list(context) + list(response)
+    cached = len(context) + applied_after - 1
+    with torch.no_grad():
+        before = old(torch.tensor([ids[:cached]]), use_cache=True)
+        after = new(torch.tensor([ids[cached:]]), past_key_values=before.past_key_values, use_cache=True)
+        logits = torch.cat([before.logits[0], after.logits[0]]).double()
+    start = len(context) - 1
+    scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]

