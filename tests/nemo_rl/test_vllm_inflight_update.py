@@ -99,3 +99,20 @@ def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine
         if m < len(tokens):
             return
     pytest.fail(f"in {ATTEMPTS} attempts the engine never held a request across the update")
+
+
+def test_a_failed_update_leaves_the_response_on_one_version(engine):
+    """An update NeMo-RL's worker reports failed (here its weights never arrive: the transport's file is
+    missing) changes neither the engine's weights nor the count of updates, and splits no response."""
+    engine.refit_file.unlink(missing_ok=True)
+    before = ray.get(engine.worker.take_token_versions.remote())["updates"]
+
+    out = ray.get(engine.worker.generate_across_an_update.remote(PROMPT, 20, 7))
+
+    assert out["updated"] is False
+    tokens, got = out["token_ids"], torch.tensor(out["logprobs"], dtype=torch.float64)
+    on_one = [((trainer_token_logprobs(w, PROMPT, tokens) - got).abs() < LOGPROB_TOL).all().item() for w in engine.weights]
+    assert sum(on_one) == 1, "every token on one of the two weights, the same for the whole response"
+    taken = ray.get(engine.worker.take_token_versions.remote())
+    assert taken["updates"] == before
+    assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before]]}]

@@ -1,11 +1,11 @@
 """Per-token policy versions under in-flight weight updates: the engine-side tracker, the trainer-side join,
-the ages, and the vLLM worker subclass around a CPU stand-in of vLLM's async engine. Expectations by hand."""
+the ages, and the driver's checks. Expectations by hand; the worker subclass on vLLM's real AsyncLLM is
+tests/nemo_rl/test_vllm_inflight_update.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -169,102 +169,18 @@ def test_token_ages_by_hand():
 
 
 # ---- the worker subclass ----------------------------------------------------------------------------
-class CPUAsyncEngine:
-    """vLLM's `AsyncLLM`, the boundary that cannot run here: `generate` streams cumulative outputs, one
-    token per decode step; `pause_after` holds a request after that many tokens until `release()`, so a
-    test places a weight update inside a response by construction."""
+class WorkerWithoutEngine:
+    """A worker of a tensor-parallel group that does not own the engine (NeMo-RL leaves its `llm` None).
+    The subclass around a worker that owns vLLM's AsyncLLM runs in tests/nemo_rl/test_vllm_inflight_update.py."""
 
-    def __init__(self, pause_after: int | None = None):
-        self.weights = 0
-        self.pause_after = pause_after
-        self.held = asyncio.Event()
-        self.go_on = asyncio.Event()
-        self.produced_with: dict[str, list[int]] = {}  # the weights behind each token, per request
-
-    def release(self):
-        self.go_on.set()
-
-    async def generate(self, prompt, sampling_params, request_id):
-        tokens: list[int] = []
-        made = self.produced_with.setdefault(request_id, [])
-        for i in range(sampling_params["max_tokens"]):
-            if i == self.pause_after:
-                self.held.set()
-                await self.go_on.wait()
-            tokens.append(100 + i)
-            made.append(self.weights)
-            yield SimpleNamespace(
-                request_id=request_id,
-                finished=i + 1 == sampling_params["max_tokens"],
-                outputs=[SimpleNamespace(token_ids=list(tokens))],
-            )
-            await asyncio.sleep(0)
-
-
-class StandInAsyncWorker:
-    """The shape of NeMo-RL's VllmAsyncGenerationWorkerImpl that the subclass relies on: `self.llm`, a
-    `generate_async` consuming `self.llm.generate`, async weight updates returning True once applied."""
-
-    def __init__(self, pause_after=None):
-        self.llm = CPUAsyncEngine(pause_after)
-
-    async def generate_async(self, prompt_ids, max_tokens, request_id):
-        final = None
-        async for out in self.llm.generate(
-            prompt={"prompt_token_ids": prompt_ids},
-            sampling_params={"max_tokens": max_tokens},
-            request_id=request_id,
-        ):
-            final = out
-        yield 0, final.outputs[0].token_ids
-
-    async def update_weights_from_collective_async(self):
-        self.llm.weights += 1
-        return True
-
-    async def update_weights_via_ipc_zmq_async(self):
-        return False  # a failed update: the engine keeps its weights
-
-
-def versioned_worker(pause_after=None):
-    fqn = adapter.versioned_worker_fqn(f"{__name__}.StandInAsyncWorker")
-    module, name = fqn.rsplit(".", 1)
-    assert module == adapter.__name__
-    actor = getattr(adapter, name)  # built as Ray builds it in a worker: by module and name
-    return actor.__ray_actor_class__(pause_after)
-
-
-async def _collect(worker, prompt, n, request):
-    return [item async for item in worker.generate_async(prompt, n, request)]
-
-
-def test_the_subclass_records_a_response_that_crosses_an_update():
-    async def scenario():
-        worker = versioned_worker(pause_after=3)
-        run = asyncio.ensure_future(_collect(worker, [1, 2], 5, "r1"))
-        await worker.llm.held.wait()  # 3 tokens streamed on the first weights
-        assert await worker.update_weights_via_ipc_zmq_async() is False  # failed: no boundary
-        assert await worker.update_weights_from_collective_async() is True
-        worker.llm.release()
-        await run
-        await _collect(worker, [7], 2, "r2")
-        return worker, await worker.take_token_versions()
-
-    worker, taken = asyncio.run(scenario())
-    assert worker.llm.produced_with == {"r1": [0, 0, 0, 1, 1], "r2": [1, 1]}
-    assert taken == {
-        "updates": 1,
-        "owner": True,
-        "records": [
-            {"key": fingerprint([1, 2], [100, 101, 102, 103, 104]), "runs": [[0, 0], [3, 1]]},
-            {"key": fingerprint([7], [100, 101]), "runs": [[0, 1]]},
-        ],
-    }
+    llm = None
 
 
 def test_a_worker_without_the_engine_says_it_does_not_own_one():
-    worker = versioned_worker()
-    worker.llm = None
+    fqn = adapter.versioned_worker_fqn(f"{__name__}.WorkerWithoutEngine")
+    module, name = fqn.rsplit(".", 1)
+    assert module == adapter.__name__
+    worker = getattr(adapter, name).__ray_actor_class__()  # built as Ray builds it in a worker: by name
     taken = asyncio.run(worker.take_token_versions())
     assert taken == {"updates": 0, "records": [], "owner": False}
 
