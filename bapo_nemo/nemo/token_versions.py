@@ -127,8 +127,7 @@ def _versioned_class(base_fqn: str):
         engine = getattr(self, "llm", None)  # None on the workers of a TP group that do not own the engine
         if engine is not None and not hasattr(engine.generate, _RECORDING):
             engine.generate = recording_generate(engine.generate, self._token_versions)
-            if hasattr(engine, "collective_rpc"):  # where the updates reach the engine's workers
-                engine.collective_rpc = counting_collective_rpc(engine.collective_rpc, self._token_versions)
+            engine.collective_rpc = counting_collective_rpc(engine.collective_rpc, self._token_versions)
 
     async def generate_async(self, *args, **kwargs):
         self._record_engine()  # an engine rebuilt since (e.g. after a sleep) is wrapped again
