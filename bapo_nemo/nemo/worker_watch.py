@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,9 @@ POLL_S = 2.0
 # (a main thread inside a C call that never checks for signals).
 UNWIND_GRACE_S = 60.0
 WORKER_LOST_EXIT = 75  # EX_TEMPFAIL: the run resumes from its checkpoint once the cluster is whole
+# How long a worker's failed task waits for Ray to tell whether a peer died: a rank's collective fails as
+# soon as a dead peer's socket closes, before Ray has seen that process end.
+PEER_DEATH_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,6 +163,23 @@ class WorkerWatch:
                     return
             self._stop.wait(self.poll_s)
 
+    def dead_now(self, wait_s: float = PEER_DEATH_WAIT_S) -> Death | None:
+        """Asks every worker now: the first Ray reports dead within `wait_s`, else None. A live worker still
+        busy answers only when its call ends: it counts as alive once `wait_s` is over."""
+        import ray
+
+        asked = {w.handle.__ray_ready__.remote(): w for w in self.workers if w not in self._retired}
+        deadline = time.monotonic() + wait_s
+        while asked and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                worker = asked.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - a failed liveness call is a lost worker
+                    return Death(worker, death_cause(exc), self.steps.current)
+        return None
+
     def _lost(self, death: Death) -> None:
         self.death = death
         _thread.interrupt_main()  # KeyboardInterrupt where the driver waits; RunFailure says the line
@@ -218,13 +239,20 @@ class RunFailure:
     def death_from(self, exc: BaseException) -> Death | None:
         if self.watch.death is not None:
             return self.watch.death
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         actor_error = _in_chain(exc, RayActorError)
-        if actor_error is None:
+        if actor_error is not None:
+            worker = next((w for w in self.watch.workers if _actor_id(w.handle) == actor_error.actor_id), None)
+            return Death(worker, death_cause(actor_error), self.watch.steps.current)
+        if _in_chain(exc, RayTaskError) is None:
             return None
-        worker = next((w for w in self.watch.workers if _actor_id(w.handle) == actor_error.actor_id), None)
-        return Death(worker, death_cause(actor_error), self.watch.steps.current)
+        # A worker's call failed: when a peer died, its collective fails first (gloo/NCCL "connection reset
+        # by peer"), and the peer's death is the cause to name
+        try:
+            return self.watch.dead_now()
+        except KeyboardInterrupt:  # the watch found it meanwhile
+            return self.watch.death
 
     def __enter__(self) -> Self:
         return self

@@ -43,6 +43,9 @@ class Rank:
         time.sleep(seconds)
         return 1
 
+    def fail(self, message: str) -> None:
+        raise RuntimeError(message)
+
 
 def two_ranks_one_dead():
     """Two workers; the second's process SIGKILLed (a lost GPU or node) before the driver waits."""
@@ -86,6 +89,26 @@ def test_rays_own_error_for_the_dead_rank_names_it_by_its_actor_id(local_ray, ca
     assert code == WORKER_LOST_EXIT
     (line,) = err.splitlines()
     assert line.startswith(f"error: policy worker 1 of 2 on node 0 died during step 4 (pid {pid} on ")
+
+
+def test_a_peers_failed_call_names_the_rank_that_died(local_ray, capsys):
+    """A rank's collective fails as soon as a dead peer's socket closes, and that error can reach the driver
+    before Ray or the watch have seen the peer's process end: the line names the dead rank, not the error.
+    The watch is never started here, so only RunFailure's own check of the workers can find it."""
+    workers, live, _dead, pid = two_ranks_one_dead()
+    watch = WorkerWatch(workers, StepCounter(resumed_step=3), FailureReport(lambda: "/ckpt/step_3"))
+    with pytest.raises(SystemExit) as ended, RunFailure(watch):
+        ray.get(live.fail.remote("gloo/transport/tcp/pair.cc:538] Read error: Connection reset by peer"))
+    assert ended.value.code == WORKER_LOST_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: policy worker 1 of 2 on node 0 died during step 4 (pid {pid} on ")
+
+
+def test_a_failed_call_with_every_worker_alive_keeps_its_traceback(local_ray):
+    rank = Rank.remote()
+    watch = WorkerWatch([Worker("policy worker", 0, 1, 0, rank)], StepCounter(0), FailureReport(lambda: "none"))
+    with pytest.raises(RuntimeError, match="a bug in the worker"), RunFailure(watch):
+        ray.get(rank.fail.remote("a bug in the worker"))
 
 
 def test_other_failures_keep_their_traceback_and_an_explainer_gives_its_own_line(local_ray, capsys):
