@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from bapo_nemo.rollout.token_versions import fingerprint
 from tests.support.ray_head import private_ray_head
-from tests.support.vllm_cpu_worker import REFIT_FILE_ENV
 from tests.support.vllm_engine import (
     MAX_MODEL_LEN,
+    REFIT_FILE_ENV,
     trainer_token_logprobs,
     trainer_token_logprobs_across_update,
     write_tiny_qwen2,
