@@ -28,9 +28,14 @@ WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
 ASYNC_WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker"
 
 
+def cpu_engine_kwargs(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """NeMo-RL's engine arguments with the two replacements for a CPU (the module docstring says why)."""
+    return {**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION}
+
+
 class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
-        super()._create_engine({**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION})
+        super()._create_engine(cpu_engine_kwargs(llm_kwargs))
 
     def engine_rpc(self, method: str, args: tuple = ()) -> list:
         """`collective_rpc` on the engine's workers (the refit's end is one of the extension's methods)."""
@@ -59,7 +64,7 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
     same two replacements as the synchronous one above."""
 
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
-        super()._create_engine({**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION})
+        super()._create_engine(cpu_engine_kwargs(llm_kwargs))
 
     async def generate_across_an_update(self, prompt: list[int], max_tokens: int, seed: int) -> dict:
         """One request sampled (temperature 1) through the engine's `generate`, held in the engine
