@@ -7,7 +7,11 @@ Replaced, each where a GPU is assumed, nothing above it:
   (`Platform.is_sleep_mode_available`: CUDA and ROCm only), so the engine starts without it;
 - the engine's worker extension: NeMo-RL's `VllmInternalWorkerExtension` moves weights by CUDA IPC over ZMQ
   or NCCL and binds to a GPU's NUMA node; tests/support/vllm_cpu_worker.py's ends the refit in vLLM's own
-  `model.load_weights` and answers NeMo-RL's `bind_numa` and `report_device_id` for a CPU.
+  `model.load_weights` and answers NeMo-RL's `bind_numa` and `report_device_id` for a CPU;
+- the executor at tensor-parallel size 1: NeMo-RL leaves it to vLLM, which on a GPU runs the model worker
+  inside the engine core (`uni`); vLLM 0.20's CPU platform swaps that for a worker process of its own
+  (`mp`, for its OpenMP thread binding), a fresh interpreter importing torch and vLLM at every engine start.
+  The executor's class keeps the GPU's layout (0.25's platform keeps `uni` itself with V1 multiprocessing off).
 Everything else (the worker's config handling, `vllm.LLM`'s arguments, sampling parameters, padding and
 log-prob placement in `generate`) is NeMo-RL's. `engine_rpc` and `engine_generate` reach the engine as the
 worker holds it, for checks of the engine itself.
@@ -28,8 +32,13 @@ ASYNC_WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorke
 
 
 def cpu_engine_kwargs(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """NeMo-RL's engine arguments with the two replacements for a CPU (the module docstring says why)."""
-    return {**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION}
+    """NeMo-RL's engine arguments with the replacements for a CPU (the module docstring says why)."""
+    kwargs = {**llm_kwargs, "enable_sleep_mode": False, "worker_extension_cls": WORKER_EXTENSION}
+    if kwargs.get("distributed_executor_backend") is None:  # TP 1 (NeMo-RL asks for Ray's above it)
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        kwargs["distributed_executor_backend"] = UniProcExecutor
+    return kwargs
 
 
 class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
@@ -60,7 +69,7 @@ class CPUEngineVllmGenerationWorker(CPUEngineVllmGenerationWorkerImpl):
 
 class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
     """NeMo-RL's async worker (`async_engine`: vLLM's AsyncLLM, weight updates while requests run) with the
-    same two replacements as the synchronous one above."""
+    same replacements as the synchronous one above."""
 
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
         super()._create_engine(cpu_engine_kwargs(llm_kwargs))

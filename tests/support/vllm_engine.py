@@ -22,7 +22,8 @@ ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TORCH_COMPILE_DISABLE": "1",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    # The engine core in this process (its model worker is still a process of its own on CPU).
+    # The engine core in the generation worker's process (NeMo-RL's worker sets the same; with the
+    # executor tests/support/nemo_vllm_worker.py passes, the model worker too).
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 WORKER_EXTENSION = "tests.support.vllm_cpu_worker.RefitExtension"
