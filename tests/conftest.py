@@ -17,6 +17,8 @@ import pytest
 from filelock import FileLock
 from hypothesis import settings
 
+from tests.support.ray_head import SESSION_ZYGOTE_ENV
+
 # Fixtures more than one tier uses (the checkpoint-integrity and tracking tests, with NeMo-RL and without).
 pytest_plugins = ["tests.support.checkpoints", "tests.support.nemo_tracking", "tests.support.signals"]
 
@@ -189,6 +191,11 @@ def _mlflow_tracking_uri() -> str | None:
     return mlflow.get_tracking_uri() if mlflow is not None and mlflow.is_tracking_uri_set() else None
 
 
+# What the session starts once for all its tests, named in the environment for the processes they start:
+# the Ray workers' warm parent (tests/support/ray_head.py).
+SESSION_WIDE = (SESSION_ZYGOTE_ENV,)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _environment_put_back_after_the_module():
     """The same for a module's own fixtures (autouse ones start first and end last in their scope): e.g.
@@ -196,9 +203,7 @@ def _environment_put_back_after_the_module():
     `bapo-nemo` call in that worker would then be exec'd (tests/support/cli_process.py)."""
     environment = dict(os.environ)
     yield
-    if os.environ != environment:
-        os.environ.clear()
-        os.environ.update(environment)
+    _put_back(environment)
 
 
 @pytest.fixture(autouse=True)
@@ -215,9 +220,15 @@ def _environment_put_back():
             mlflow.end_run()
         if _mlflow_tracking_uri() != tracking_uri:
             mlflow.set_tracking_uri(tracking_uri)  # None: back to "not set" (MLflow then reads the env)
-    if os.environ != environment:
+    _put_back(environment)
+
+
+def _put_back(environment: dict) -> None:
+    """os.environ as `environment`, but for what serves the whole session (SESSION_WIDE)."""
+    kept = {k: os.environ[k] for k in SESSION_WIDE if k in os.environ}
+    if os.environ != {**environment, **kept}:
         os.environ.clear()
-        os.environ.update(environment)
+        os.environ.update({**environment, **kept})
 
 
 @pytest.fixture(autouse=True)

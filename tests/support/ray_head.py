@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from tests.support import ray_zygote
 from tests.support.ports import free_port
 
 START_TIMEOUT_S = 300  # a hang guard, not a timing premise: a loaded 2-core machine took 25 s at load 10
+SESSION_ZYGOTE_ENV = "BAPO_TEST_RAY_ZYGOTE_SESSION"
 START_ATTEMPTS = 3  # a head that dies while starting (its one chosen port taken meanwhile) is started again
 
 
@@ -71,23 +73,39 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-    zygote = getattr(proc, "zygote", None)
-    if zygote is not None:  # its workers, forked from it, have gone with the head
-        zygote.kill()
-        zygote.wait()
 
 
-def _worker_zygote(temp_dir: Path) -> tuple[dict, subprocess.Popen | None]:
-    """The head's environment and, in the NeMo-RL tier, the warm parent its Python workers are forked from
+def _worker_zygote() -> dict:
+    """The head's environment, naming in the NeMo-RL tier the warm parent its Python workers are forked from
     (tests/support/ray_zygote.py; BAPO_TEST_RAY_ZYGOTE=off starts them as Ray does)."""
     env = dict(os.environ)
     # OMP_NUM_THREADS set: Ray then leaves it as it is, so the OpenMP runtime the zygote loaded has the
     # thread count a fresh worker's would read (Ray sets it only in workers that start without it)
     if not env.get("NEMO_RL_SRC") or env.get(ray_zygote.ENV) == "off" or not env.get("OMP_NUM_THREADS"):
-        return {**env, ray_zygote.ENV: "off"}, None
-    socket_path = temp_dir / "zygote.sock"
-    env[ray_zygote.ENV] = str(socket_path)
-    return env, ray_zygote.start(socket_path, env)
+        return {**env, ray_zygote.ENV: "off"}
+    return {**env, ray_zygote.ENV: str(_session_zygote(env))}
+
+
+def _session_zygote(env: dict) -> Path:
+    """One zygote for every head of this test session, the rehearsals' own processes included (they find
+    it in SESSION_ZYGOTE_ENV): its start is ~17 CPU-s of imports, once instead of once per head. Started by
+    the first head that asks, it ends with the process that started it. A head whose environment differs
+    from the one the zygote started with loses nothing: each worker the client finds differing in what
+    the zygote's imports read starts as Ray starts it."""
+    shared = os.environ.get(SESSION_ZYGOTE_ENV)
+    if shared and ray_zygote.serving(Path(shared)):
+        return Path(shared)
+    socket_path = Path(tempfile.mkdtemp(prefix="z", dir="/tmp")) / "zygote.sock"  # short: a socket path's limit
+    zygote = ray_zygote.start(socket_path, {**env, ray_zygote.ENV: str(socket_path)})
+    atexit.register(_end_zygote, zygote, socket_path.parent)
+    os.environ[SESSION_ZYGOTE_ENV] = str(socket_path)
+    return socket_path
+
+
+def _end_zygote(zygote: subprocess.Popen, directory: Path) -> None:
+    zygote.kill()  # the workers forked from it end with their heads (tests/support/ray_zygote.py)
+    zygote.wait()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, str]:
@@ -98,11 +116,10 @@ def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, st
     for attempt in range(1, START_ATTEMPTS + 1):
         temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
         address_file, client_port = Path(temp_dir) / "ray_current_cluster", free_port()
-        env, zygote = _worker_zygote(Path(temp_dir))
+        env = _worker_zygote()
         with open(Path(temp_dir) / "head.log", "w") as log:
             command = _start_command(num_cpus, num_gpus, temp_dir, client_port)
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        proc.zygote = zygote
         deadline = time.time() + START_TIMEOUT_S
         while proc.poll() is None and time.time() < deadline:
             address = address_file.read_text().strip() if address_file.is_file() else ""
@@ -112,7 +129,7 @@ def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, st
         if proc.poll() is None:
             _stop(proc)
             raise RuntimeError(f"the Ray head did not start within {START_TIMEOUT_S} s:\n{_log_tails(temp_dir)}")
-        _stop(proc)  # its zygote
+        _stop(proc)
         failures.append(f"attempt {attempt}: `ray start` exited with {proc.returncode}\n{_log_tails(temp_dir)}")
     raise RuntimeError(f"the Ray head did not start in {START_ATTEMPTS} attempts:\n" + "\n".join(failures))
 

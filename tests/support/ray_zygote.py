@@ -23,12 +23,14 @@ environment differs from this server's (the client hands over only when the diff
 server notes those), what the imports set in the environment set in the worker too, the same interpreter
 and flags, and Ray's own C++ library not loaded here (it reads RAY_JOB_ID and its config from the
 environment when loaded: asserted at start-up).
+One server serves every head of a test session (tests/support/ray_head.py starts it with the first).
 BAPO_TEST_RAY_ZYGOTE=off (or unset) starts every worker as Ray does.
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
 import importlib
 import io
 import json
@@ -61,6 +63,15 @@ READY_TIMEOUT_S = 300  # a hang guard: a loaded 2-core machine
 def description_path(socket_path: str | Path) -> Path:
     """What the client compares before handing over: this server's interpreter, flags and environment."""
     return Path(f"{socket_path}.json")
+
+
+def serving(socket_path: str | Path) -> bool:
+    """Whether the server for `socket_path` is up: its description written, its process alive."""
+    try:
+        os.kill(json.loads(description_path(socket_path).read_text())["pid"], 0)
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
 
 
 def start(socket_path: Path, env: dict) -> subprocess.Popen:
@@ -108,6 +119,7 @@ def _import_noting_environment_reads(names) -> set[str]:
 
 
 def serve(socket_path: str) -> None:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: it ends with whoever started it
     env_before = dict(os.environ)
     read_at_import = _import_noting_environment_reads(PRELOAD)
     # what the imports set (scikit-learn: KMP_INIT_AT_FORK), a fresh worker's imports set too

@@ -36,7 +36,9 @@ def hand_over_if_asked() -> None:
         return
     if zygote["executable"] != sys.executable or zygote["flags"] != list(sys.flags):
         return
-    if unsafe_differences(zygote["env"], os.environ, zygote["read_at_import"]):
+    differing = unsafe_differences(zygote["env"], os.environ, zygote["read_at_import"])
+    if differing:
+        _note_declined(socket_path, differing)
         return
     _stand_for_the_worker(socket_path)
 
@@ -46,6 +48,15 @@ def unsafe_differences(zygote_env, worker_env, read_at_import) -> list[str]:
     differing = {k for k in set(zygote_env) | set(worker_env) if zygote_env.get(k) != worker_env.get(k)}
     safe = {k for k in differing if k in SAFE_TO_DIFFER or k.startswith(SAFE_TO_DIFFER_PREFIXES)}
     return sorted(differing - (safe - set(read_at_import)))
+
+
+def _note_declined(socket_path: str, differing: list[str]) -> None:
+    """One line per worker started as Ray does, in `<socket>.declined`: what made the fork unsafe."""
+    try:
+        with open(f"{socket_path}.declined", "a") as f:
+            f.write(f"{os.getpid()} {' '.join(sys.argv[1:])[-200:]}: {' '.join(differing)}\n")
+    except OSError:
+        pass
 
 
 def _stand_for_the_worker(socket_path: str) -> None:
