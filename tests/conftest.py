@@ -65,6 +65,10 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 if os.environ.get("NEMO_RL_SRC"):
     _paths = [str(_SHIM_DIR), str(_REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(_paths))
+    # torch.compile off in every process of the tier, as the vLLM engine needs it (its compiled helpers
+    # cost minutes of CPU for a model that runs in milliseconds): one value for all, so the engine's
+    # actors fork from the Ray workers' warm parent too (torch reads it at import: tests/support/ray_zygote.py)
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
 def _has_cuda() -> bool:

@@ -102,6 +102,26 @@ def test_a_variable_safe_to_differ_is_unsafe_once_the_zygotes_imports_read_it(he
         zygote = json.load(f)
     assert "HF_HOME" in zygote["read_at_import"]
     env = zygote["env"]
-    assert unsafe_differences(env, {**env, "RAY_JOB_ID": "07000000", "RANK": "3"}, zygote["read_at_import"]) == []
-    assert unsafe_differences(env, {**env, "HF_HOME": "/elsewhere"}, zygote["read_at_import"]) == ["HF_HOME"]
-    assert unsafe_differences(env, {**env, "RANK": "3"}, ["RANK"]) == ["RANK"]
+    assert unsafe_differences(zygote, {**env, "RAY_JOB_ID": "07000000", "RANK": "3"}) == []
+    assert unsafe_differences(zygote, {**env, "HF_HOME": "/elsewhere"}) == ["HF_HOME"]
+    assert unsafe_differences({**zygote, "read_at_import": ["RANK"]}, {**env, "RANK": "3"}) == ["RANK"]
+
+
+def test_a_default_the_zygotes_imports_set_is_no_difference_when_the_worker_holds_it(head):
+    """scikit-learn sets KMP_DUPLICATE_LIB_OK=True where it is unset (os.environ.setdefault, a lookup): for a
+    zygote that started without it, a worker whose driver's imports set the same default is forked, and
+    another value is a difference."""
+    import json
+
+    ray, _ = head
+    from tests.support.nemo_rl_shim.ray_zygote_client import unsafe_differences
+
+    socket_path = ray.get(ray.remote(lambda: os.environ["BAPO_TEST_RAY_ZYGOTE"]).remote())
+    with open(f"{socket_path}.json") as f:
+        zygote = json.load(f)
+    assert "KMP_DUPLICATE_LIB_OK" in zygote["read_at_import"]
+    env = {k: v for k, v in zygote["env"].items() if k != "KMP_DUPLICATE_LIB_OK"}
+    started_without = {**zygote, "env": env, "set_at_import": {**zygote["set_at_import"], "KMP_DUPLICATE_LIB_OK": "True"}}
+    assert unsafe_differences(started_without, {**env, "KMP_DUPLICATE_LIB_OK": "True"}) == []
+    assert unsafe_differences(started_without, {**env, "KMP_DUPLICATE_LIB_OK": "False"}) == ["KMP_DUPLICATE_LIB_OK"]
+    assert unsafe_differences(zygote, {**env, "HF_HOME": "/elsewhere", "KMP_DUPLICATE_LIB_OK": "True"}) == ["HF_HOME"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,15 +98,28 @@ def _session_zygote(env: dict) -> Path:
         return Path(shared)
     socket_path = Path(tempfile.mkdtemp(prefix="z", dir="/tmp")) / "zygote.sock"  # short: a socket path's limit
     zygote = ray_zygote.start(socket_path, {**env, ray_zygote.ENV: str(socket_path)})
-    atexit.register(_end_zygote, zygote, socket_path.parent)
+    atexit.register(_end_zygote, zygote, socket_path)
     os.environ[SESSION_ZYGOTE_ENV] = str(socket_path)
     return socket_path
 
 
-def _end_zygote(zygote: subprocess.Popen, directory: Path) -> None:
+def _end_zygote(zygote: subprocess.Popen, socket_path: Path) -> None:
     zygote.kill()  # the workers forked from it end with their heads (tests/support/ray_zygote.py)
     zygote.wait()
-    shutil.rmtree(directory, ignore_errors=True)
+    print(forks_summary(socket_path), file=sys.stderr)
+    shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def forks_summary(socket_path: Path) -> str:
+    """One line: how many of the session's Ray workers forked from the zygote, and why the others did not."""
+    def lines(suffix: str) -> list[str]:
+        path = Path(f"{socket_path}{suffix}")
+        return path.read_text().splitlines() if path.is_file() else []
+
+    declined = Counter(line.split(": ", 1)[1] for line in lines(".declined"))
+    why = "; ".join(f"{count} differing in {names}" for names, count in declined.most_common())
+    return (f"Ray workers of this session ({os.getpid()}): {len(lines('.forked'))} forked from the warm parent, "
+            f"{sum(declined.values())} started by Ray{f' ({why})' if why else ''}")
 
 
 def _start_head(num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, str, str]:

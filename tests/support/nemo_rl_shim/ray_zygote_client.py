@@ -24,6 +24,11 @@ SAFE_TO_DIFFER = {"CUDA_VISIBLE_DEVICES", "TORCH_CUDA_ARCH_LIST", "TORCHINDUCTOR
                   "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
                   "PYTHONBREAKPOINT", "VIRTUAL_ENV", "COLUMNS", "LINES", "PWD", "OLDPWD", "_"}
 
+# Set by the zygote's imports only where unset, each to a fixed default (scikit-learn's
+# os.environ.setdefault of the two KMP_*, torch inductor's cache_dir()): a worker that holds that default
+# (NeMo-RL hands every actor its driver's environment, where the same imports set it) would find it so.
+SET_ONLY_WHERE_UNSET = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"}
+
 
 def hand_over_if_asked() -> None:
     socket_path = os.environ.get("BAPO_TEST_RAY_ZYGOTE", "off")
@@ -36,25 +41,33 @@ def hand_over_if_asked() -> None:
         return
     if zygote["executable"] != sys.executable or zygote["flags"] != list(sys.flags):
         return
-    differing = unsafe_differences(zygote["env"], os.environ, zygote["read_at_import"])
+    differing = unsafe_differences(zygote, os.environ)
     if differing:
         _note_declined(socket_path, differing)
         return
     _stand_for_the_worker(socket_path)
 
 
-def unsafe_differences(zygote_env, worker_env, read_at_import) -> list[str]:
-    """The variables in which the worker's environment differs from the zygote's and the fork would show."""
+def unsafe_differences(zygote: dict, worker_env) -> list[str]:
+    """The variables in which the worker's environment differs from the zygote's (its description: `env`
+    before its imports, what they read and set) and the fork would show."""
+    zygote_env, read = zygote["env"], set(zygote["read_at_import"])
     differing = {k for k in set(zygote_env) | set(worker_env) if zygote_env.get(k) != worker_env.get(k)}
     safe = {k for k in differing if k in SAFE_TO_DIFFER or k.startswith(SAFE_TO_DIFFER_PREFIXES)}
-    return sorted(differing - (safe - set(read_at_import)))
+    # a default the zygote's imports set, which the worker holds already (its driver had imported the same)
+    defaults = {k for k in differing & SET_ONLY_WHERE_UNSET if worker_env.get(k) == zygote["set_at_import"].get(k)}
+    return sorted(differing - (safe - read) - defaults)
 
 
 def _note_declined(socket_path: str, differing: list[str]) -> None:
-    """One line per worker started as Ray does, in `<socket>.declined`: what made the fork unsafe."""
+    """One line per worker started as Ray does, in `<socket>.declined`: the variables that made the fork unsafe."""
+    _note(f"{socket_path}.declined", " ".join(differing))
+
+
+def _note(path: str, line: str) -> None:
     try:
-        with open(f"{socket_path}.declined", "a") as f:
-            f.write(f"{os.getpid()} {' '.join(sys.argv[1:])[-200:]}: {' '.join(differing)}\n")
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}: {line}\n")
     except OSError:
         pass
 
@@ -69,6 +82,7 @@ def _stand_for_the_worker(socket_path: str) -> None:
     conn.sendmsg([struct.pack("!i", len(body))],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
     conn.sendall(body)
+    _note(f"{socket_path}.forked", "forked")
 
     def relay(signum, frame):
         conn.sendall(struct.pack("!i", signum))
