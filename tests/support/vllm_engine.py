@@ -27,8 +27,7 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 WORKER_EXTENSION = "tests.support.vllm_cpu_worker.RefitExtension"
-# The refit's safetensors file, which the extension loads where NeMo-RL's CUDA-IPC stream would end. Here,
-# not in the extension's module: importing that one patches vLLM, which only the engine's process may do.
+# The refit's safetensors file, which the extension loads where NeMo-RL's CUDA-IPC stream would end.
 REFIT_FILE_ENV = "BAPO_TEST_REFIT_FILE"
 VOCAB = 96
 MAX_MODEL_LEN = 128
