@@ -34,6 +34,7 @@ from tests.support.nemo_rehearsal import (
     scaled_partial_rollouts,
     sized_overrides,
 )
+from tests.support.ray_head import share_the_session_zygote
 
 pytestmark = pytest.mark.timeout(4800)  # with the wait for the rehearsal slot (the other rehearsals of both trees)
 RUN_GUARD_S = 2400
@@ -68,6 +69,7 @@ def faults(tmp_path_factory):
     spec = root / "spec.json"
     spec.write_text(json.dumps({"root": str(root), "config": str(config), "num_gpus": LAYOUT[0] * LAYOUT[1] * LAYOUT[2]}))
     log = root / "faults.log"
+    share_the_session_zygote()
     with log.open("w") as out, rehearsal_slots(1):
         done = subprocess.run([sys.executable, "-m", "tests.support.nemo_fault_rehearsal_run", str(spec)], cwd=REPO,
                               stdout=out, stderr=subprocess.STDOUT, timeout=RUN_GUARD_S, check=False)

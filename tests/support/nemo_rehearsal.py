@@ -20,6 +20,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from tests.support.nemo_tiny_config import data_env_logger
+from tests.support.ray_head import share_the_session_zygote
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,6 +153,7 @@ def run_rehearsal(root: Path, assets: dict, config: Path, info: dict, spec: dict
     their record, as load_rehearsal reads it."""
     (root / "spec.json").write_text(json.dumps({"config": str(config), "root": str(root), **spec}))
     log = root / "driver.log"
+    share_the_session_zygote()
     with log.open("w") as out, rehearsal_slots(spec.get("slots", 1)):
         done = subprocess.run([sys.executable, "-m", "tests.support.nemo_megatron_rehearsal_run", str(root / "spec.json")],
                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=guard_s, check=False)

@@ -87,6 +87,12 @@ def _worker_zygote() -> dict:
     return {**env, ray_zygote.ENV: str(_session_zygote(env))}
 
 
+def share_the_session_zygote() -> None:
+    """Start the session's zygote now (in the NeMo-RL tier), before this process starts one that starts a
+    head of its own (a rehearsal's driver): that process's workers then fork from it too."""
+    _worker_zygote()
+
+
 def _session_zygote(env: dict) -> Path:
     """One zygote for every head of this test session, the rehearsals' own processes included (they find
     it in SESSION_ZYGOTE_ENV): its start is ~17 CPU-s of imports, once instead of once per head. Started by
