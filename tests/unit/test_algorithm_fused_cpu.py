@@ -88,3 +88,29 @@ def test_unsupported_inputs_take_the_pytorch_path_with_the_same_bounds():
     low = search_clip_bounds(ratio.bfloat16(), adv.bfloat16(), mask, BAPOConfig())
     ref = search_clip_bounds(ratio.bfloat16().float(), adv.bfloat16().float(), mask, BAPOConfig())
     assert (low.c_low, low.c_high, low.steps) == (ref.c_low, ref.c_high, ref.steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cuda_statistics_equal_the_cpu_ones(name, deterministic):
+    """On a GPU the histograms come from bincount (index_add_ under deterministic algorithms): the counts
+    exactly, the float64 sums to rounding (atomic adds land in any order)."""
+    config = CONFIGS[name]
+    ratio, adv, mask, _ = _batch(torch.float32)
+    edges = bapo_math._edges(config)
+    with_abs_a = config.measure == "value"
+    cpu = bapo_math._token_statistics(ratio, adv, mask, None, edges, with_abs_a)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        cuda = bapo_math._token_statistics(ratio.cuda(), adv.cuda(), mask.cuda(), None, edges, with_abs_a).cpu()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    n_bins = 3 * edges.n_bins + 1
+    assert torch.equal(cuda[:n_bins], cpu[:n_bins])
+    torch.testing.assert_close(cuda[n_bins:3 * n_bins], cpu[n_bins:3 * n_bins], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cuda[3 * n_bins:], cpu[3 * n_bins:], rtol=1e-6, atol=1e-6)  # CUDA's log
+    on_gpu = search_clip_bounds(ratio.cuda(), adv.cuda(), mask.cuda(), config)
+    on_cpu = search_clip_bounds(ratio, adv, mask, config)
+    assert (on_gpu.c_low, on_gpu.c_high, on_gpu.steps) == (on_cpu.c_low, on_cpu.c_high, on_cpu.steps)
