@@ -11,6 +11,10 @@ reference solution, so both modes generate exactly the same length distribution 
 
     python bench/partial_rollout.py [--steps 12] [--token-budget 16]
 Writes bench/results/partial_rollout.json and .png.
+
+On a GPU, with a model where decode costs what it costs on real ones (wall time; the ratio uses it):
+    python bench/partial_rollout.py --device cuda --layers 12 --hidden 1024 --precision bfloat16
+writes bench/results/partial_rollout_cuda.json and .png.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from bapo_nemo.embedded.data.tasks import TaskGenerator
 from bapo_nemo.embedded.loop.evaluation import encode_prompt
 from bapo_nemo.embedded.loop.generation import sample_continuations
-from bapo_nemo.embedded.model.policy import build_model
+from bapo_nemo.embedded.model.policy import build_model, prepare_model
 from bapo_nemo.embedded.model.tokenizer import load_tokenizer
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 
@@ -44,7 +48,7 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
     )
     manager = PartialRolloutManager(config, args.group_size)
     tasks = TaskGenerator(args.seed, 1, args.max_ops, args.tail_alpha)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
     eos = tokenizer.eos_token_id
     question_end = tokenizer.convert_tokens_to_ids("?")
     target_of: dict[tuple[int, ...], int] = {}  # prompt -> response length of its reference solution
@@ -67,6 +71,7 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
 
     tokens, elapsed, cpu, per_step = 0, 0.0, 0.0, []
     for step in range(args.warmup_steps + args.steps):
+        synchronize(args.device)
         t0, c0, step_tokens, groups = time.perf_counter(), time.process_time(), 0, []
         while len(groups) < args.prompts_per_step:
             queued = manager.num_pending + manager.num_in_flight + manager.num_completed
@@ -78,15 +83,17 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
             manager.add_prompts(items)
             groups += manager.run_iteration(generate_fn, step, args.prompts_per_step - len(groups))
             step_tokens += manager.stats(step)["rollout/tokens_last_iteration"]
+        synchronize(args.device)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if step >= args.warmup_steps:
             tokens += step_tokens
             elapsed += dt
             cpu += dc
-            per_step.append(step_tokens / dc)
+            per_step.append(step_tokens / (dt if args.device == "cuda" else dc))
         print(f"  {name:>8} step {step:2d}: {step_tokens:6.0f} tokens in {dt:5.2f}s wall, {dc:5.2f}s CPU")
     # On a shared machine wall time depends on the neighbours; this process is single-threaded, so its
-    # CPU time is the wall time it would take alone. Both are reported; the ratio uses CPU time.
+    # CPU time is the wall time it would take alone. Both are reported; on CPU the ratio uses CPU time,
+    # on a GPU wall time (the host mostly waits for the device there).
     return {
         "tokens": tokens,
         "wall_seconds": elapsed,
@@ -95,6 +102,11 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
         "wall_tokens_per_s": tokens / elapsed,
         "per_step_tokens_per_s": per_step,
     }
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -115,19 +127,28 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=112)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (MLP 3x, 64-wide heads)")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: bf16 autocast, as the embedded trainer runs on a GPU")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer()
     model_cfg = SimpleNamespace(
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_layers=args.layers,
+        num_heads=max(4, args.hidden // 64),
+        num_kv_heads=max(2, args.hidden // 256),
         max_position_embeddings=256,
         rope_theta=10000.0,
     )
-    model = build_model(model_cfg, tokenizer, seed=0).eval()
+    model = build_model(model_cfg, tokenizer, seed=0)
+    model = prepare_model(model, torch.device(args.device), "float32", args.precision, False).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f}M parameters on {args.device}"
+          f" ({args.precision})")
 
     print("without partial rollouts, static batch (finished rows wait for the longest, as HF generate):")
     static = run_mode(
@@ -140,16 +161,16 @@ def main() -> None:
     in_flight = int(args.in_flight_factor * args.prompts_per_step)
     print(f"with partial rollouts (token_budget={args.token_budget}, {in_flight} groups in flight):")
     with_ = run_mode("with", model, tokenizer, args, budget=args.token_budget, in_flight=in_flight)
-    ratio = with_["tokens_per_s"] / without["tokens_per_s"]
-    ratio_static = with_["tokens_per_s"] / static["tokens_per_s"]
+    rate = "wall_tokens_per_s" if args.device == "cuda" else "tokens_per_s"
+    unit = "second" if args.device == "cuda" else "CPU-second"
+    ratio = with_[rate] / without[rate]
+    ratio_static = with_[rate] / static[rate]
     wall_ratio = with_["wall_tokens_per_s"] / without["wall_tokens_per_s"]
     print(
-        f"\ngenerated tokens per CPU-second  without: {without['tokens_per_s']:.0f}  with: {with_['tokens_per_s']:.0f}"
+        f"\ngenerated tokens per {unit}  without: {without[rate]:.0f}  with: {with_[rate]:.0f}"
         f"  ratio with/without: {ratio:.2f}x   (wall-clock ratio on this machine: {wall_ratio:.2f}x)"
     )
-    print(
-        f"static batch without partial rollouts: {static['tokens_per_s']:.0f}   ratio with/static: {ratio_static:.2f}x"
-    )
+    print(f"static batch without partial rollouts: {static[rate]:.0f}   ratio with/static: {ratio_static:.2f}x")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {
@@ -161,8 +182,12 @@ def main() -> None:
         "static_batch": static,
         "ratio_vs_static_batch": ratio_static,
         "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "parameters": params,
+        "rate": rate,
     }
-    (RESULTS / "partial_rollout.json").write_text(json.dumps(record, indent=2))
+    stem = "partial_rollout_cuda" if args.device == "cuda" else "partial_rollout"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,20 +196,20 @@ def main() -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.bar(
         ["static batch", "without", f"with (budget {args.token_budget})"],
-        [static["tokens_per_s"], without["tokens_per_s"], with_["tokens_per_s"]],
+        [static[rate], without[rate], with_[rate]],
         color=["tab:red", "tab:gray", "tab:blue"],
     )
-    ax1.set_ylabel("generated tokens / CPU-second")
-    ax1.set_title(f"partial rollouts: {ratio:.2f}x")
+    ax1.set_ylabel(f"generated tokens / {unit}")
+    ax1.set_title(f"partial rollouts: {ratio:.2f}x ({record['device']}, {params / 1e6:.0f}M parameters)")
     ax2.plot(static["per_step_tokens_per_s"], "o-", color="tab:red", label="static batch")
     ax2.plot(without["per_step_tokens_per_s"], "o-", color="tab:gray", label="without")
     ax2.plot(with_["per_step_tokens_per_s"], "o-", color="tab:blue", label="with")
     ax2.set_xlabel("timed step")
-    ax2.set_ylabel("tokens / CPU-second")
+    ax2.set_ylabel(f"tokens / {unit}")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "partial_rollout.png", dpi=120)
-    print(f"wrote {RESULTS / 'partial_rollout.json'} and .png")
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
+    print(f"wrote {RESULTS / stem}.json and .png")
 
 
 if __name__ == "__main__":
