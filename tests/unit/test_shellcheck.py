@@ -38,6 +38,13 @@ def _is_shell_script(path: Path) -> bool:
 
 
 def shell_scripts() -> list[Path]:
+    """The repository's files as git sees them (tracked, or new and not ignored): a script in an ignored
+    folder (a build, a local scratch folder) is not the repository's. Outside a git checkout, a walk."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=False)
+    if listed.returncode == 0:
+        paths = (REPO / name for name in listed.stdout.decode().split("\0") if name)
+        return sorted(path for path in paths if path.is_file() and _is_shell_script(path))
     found = []
     for root, dirs, files in os.walk(REPO):
         # never into a virtual environment (.venv's ~70k files; tests/suite.sh builds .venv-nemo-rl while
