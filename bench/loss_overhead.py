@@ -188,6 +188,7 @@ def main_sizes(args) -> None:
     print(f"device: {device_name}, torch {torch.__version__}")
     with fused_cpu.disabled():
         sizes = [sized_timings(n, args.seq_len, args.repeats, args.device) for n in args.tokens]
+        checks = numerics(args.tokens[0], args.seq_len, args.device)
     for row in sizes:
         print(f"tokens {row['tokens']:,}: bounds {row['bounds']} after {row['search_steps']} steps "
               f"(sequential: {row['sequential_steps']})")
@@ -195,8 +196,6 @@ def main_sizes(args) -> None:
             print(f"  {k:<20} {v:9.3f} ms")
         for k, v in row["ratios"].items():
             print(f"  {k:<34} {v:6.2f}x")
-    with fused_cpu.disabled():
-        checks = numerics(args.tokens[0], args.seq_len, args.device)
     print("numerics against float64 (same batch; the log-probs in each dtype):")
     for dtype, row in checks.items():
         print(f"  {dtype:<9} bounds [{row['c_low']}, {row['c_high']}] rho {row['rho']:.6f} "

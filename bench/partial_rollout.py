@@ -89,7 +89,7 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
             tokens += step_tokens
             elapsed += dt
             cpu += dc
-            per_step.append(step_tokens / (dt if args.device == "cuda" else dc))
+            per_step.append(step_tokens / (dt if wall_clock(args) else dc))
         print(f"  {name:>8} step {step:2d}: {step_tokens:6.0f} tokens in {dt:5.2f}s wall, {dc:5.2f}s CPU")
     # On a shared machine wall time depends on the neighbours; this process is single-threaded, so its
     # CPU time is the wall time it would take alone. Both are reported; on CPU the ratio uses CPU time,
@@ -107,6 +107,11 @@ def run_mode(name, model, tokenizer, args, budget, in_flight, compact=True):
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def wall_clock(args) -> bool:
+    """Rates by wall time on a GPU (the host mostly waits there), by this process's CPU time on a CPU."""
+    return args.device == "cuda"
 
 
 def main() -> None:
@@ -161,8 +166,7 @@ def main() -> None:
     in_flight = int(args.in_flight_factor * args.prompts_per_step)
     print(f"with partial rollouts (token_budget={args.token_budget}, {in_flight} groups in flight):")
     with_ = run_mode("with", model, tokenizer, args, budget=args.token_budget, in_flight=in_flight)
-    rate = "wall_tokens_per_s" if args.device == "cuda" else "tokens_per_s"
-    unit = "second" if args.device == "cuda" else "CPU-second"
+    rate, unit = ("wall_tokens_per_s", "second") if wall_clock(args) else ("tokens_per_s", "CPU-second")
     ratio = with_[rate] / without[rate]
     ratio_static = with_[rate] / static[rate]
     wall_ratio = with_["wall_tokens_per_s"] / without["wall_tokens_per_s"]
