@@ -47,7 +47,8 @@ def engine(tmp_path_factory):
         cluster = RayVirtualCluster([1], use_gpus=True, num_gpus_per_node=1, max_colocated_worker_groups=1)
         generation = vllm_generation.VllmGeneration(cluster, config)
         try:
-            yield SimpleNamespace(generation=generation, worker=generation.worker_group.workers[0], trainer=trainer)
+            yield SimpleNamespace(generation=generation, worker=generation.worker_group.workers[0], trainer=trainer,
+                                  model_dir=str(model_dir))
         finally:
             generation.shutdown()
             cluster.shutdown()
@@ -204,3 +205,61 @@ def test_refit_loads_every_trainer_weight_and_logprobs_follow(engine):
     trainer.load_state_dict(old)
     assert _largest_logprob_gap(trainer, PROMPTS, completions, 1.0) > 100 * LOGPROB_TOL
     trainer.load_state_dict(dict(weights))
+
+
+@pytest.fixture(scope="module")
+def megatron(engine, tmp_path_factory):
+    """megatron-core's GPTModel holding the engine's Qwen2, imported from the same HF files, in a process of
+    its own (tests/support/megatron_gpt.py)."""
+    from tests.support.megatron_gpt import MegatronQwen2
+
+    actor = MegatronQwen2.remote(engine.model_dir, str(tmp_path_factory.mktemp("gloo") / "rendezvous"))
+    yield actor
+    ray.kill(actor)
+
+
+def _megatron_logprobs(megatron, context, response, temperature):
+    logits = ray.get(megatron.logits.remote(list(context) + list(response)))
+    start = len(context) - 1
+    scaled = logits[start : start + len(response)] / temperature
+    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+
+
+def test_a_refit_from_megatrons_gpt_model_reaches_the_engine(engine, megatron):
+    """megatron-core's own GPTModel (local layer spec, TP 1) holding the engine's Qwen2: its logits are HF
+    transformers' at the same weights, and its weights converted back are the HF files' bit for bit (the
+    conversion Megatron-Bridge does on the cluster, checked independently). After one SGD step through
+    megatron-core's backward, the converted weights loaded into the engine: vLLM loads every parameter, and
+    each sampled token's log-prob is the GPTModel's own, not the weights' before the step."""
+    ray.get(megatron.load_hf.remote(list(engine.trainer.state_dict().items())))  # the weights the engine holds
+    ids = PROMPTS[2] + PROMPTS[0]
+    with torch.no_grad():
+        hf_logits = engine.trainer(torch.tensor([ids])).logits[0].double()
+    logit_gap = (ray.get(megatron.logits.remote(ids)) - hf_logits).abs().max().item()
+    print(f"largest |megatron-core - HF| logit: {logit_gap:.3g}")
+    assert logit_gap < LOGPROB_TOL
+    converted = dict(ray.get(megatron.hf_weights.remote()))
+    trainer_state = engine.trainer.state_dict()
+    assert converted.keys() == trainer_state.keys()
+    assert all(torch.equal(converted[name], trainer_state[name]) for name in trainer_state)
+
+    loss = ray.get(megatron.sgd_step.remote(ids, 2.0))
+    weights = ray.get(megatron.hf_weights.remote())
+    try:
+        (report,) = ray.get(engine.worker.engine_rpc.remote("load_trainer_weights", (weights,)))
+        assert report["loaded"] == report["parameters"]
+        assert trainer_names(report["loaded"], report["packed"]) == {name for name, _ in weights}
+        completions = _generate(engine, PROMPTS, temperature=1.0, max_tokens=10, n=2, seed=5)
+        gaps, stale = [], []
+        for context, samples in zip(PROMPTS, completions):
+            for sample in samples:
+                got = torch.tensor(sample["logprobs"], dtype=torch.float64)
+                gaps.append((_megatron_logprobs(megatron, context, sample["token_ids"], 1.0) - got).abs().max().item())
+                before = trainer_token_logprobs(engine.trainer, context, sample["token_ids"], 1.0)
+                stale.append((before - got).abs().max().item())
+        print(f"after a refit from megatron-core (SGD step at loss {loss:.3f}), largest |engine - GPTModel| "
+              f"sampled-token log-prob: {max(gaps):.3g}; against the weights before the step: {max(stale):.3g}")
+        assert max(gaps) < LOGPROB_TOL
+        assert max(stale) > 100 * LOGPROB_TOL
+    finally:  # the engine back at the trainer's weights for the module's other tests
+        ray.get(engine.worker.engine_rpc.remote("load_trainer_weights", (list(trainer_state.items()),)))

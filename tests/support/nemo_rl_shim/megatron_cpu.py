@@ -17,8 +17,9 @@ see the machine as it is. What it replaces, and why:
    `AllGatherCPTensor.backward` makes its index tensor with `pin_memory=True` and `.cuda()`.
    megatron-core's checkpoint writer starts its results-queue Manager with "spawn" (safe beside CUDA
    state); on CPU it is forked (`_forked_write_results_queue`).
-   `torch.cuda.*` queries answer for one CPU "device" (index 0, NVML-free memory figures), and NVTX
-   profiling ranges (`nemo_rl.utils.nsys.wrap_with_nvtx_name`) are no-ops.
+   `torch.cuda.*` queries answer for one CPU "device" (index 0, NVML-free memory figures), its random
+   state is the CPU generator's (megatron-core's RNG tracker), and NVTX profiling ranges
+   (`nemo_rl.utils.nsys.wrap_with_nvtx_name`) are no-ops.
 2. `megatron.bridge`. Megatron-Bridge needs Transformer Engine to import, and its PyPI release pins
    transformers < 5 (NeMo-RL v0.7.0 needs 5.8), so it cannot be installed here. The worker module imports
    it at module top; every name resolves to a placeholder class that raises when used, except the few
@@ -155,6 +156,23 @@ def _install_cuda_on_cpu() -> None:
     cuda.current_stream = lambda device=None: _STREAM
     cuda.nvtx.range_push = lambda msg: 0  # NeMo-RL's wrap_with_nvtx_name profiling ranges
     cuda.nvtx.range_pop = lambda: 0
+    _cuda_rng_is_the_cpu_generator()
+
+
+def _cuda_rng_is_the_cpu_generator() -> None:
+    """megatron-core's RNG tracker (`model_parallel_cuda_manual_seed`, and the `fork()` around attention
+    and dropout in its GPTModel's layers) keeps named CUDA generator states: on CPU they are the CPU
+    generator's states. Its own setter goes through `torch.cuda._lazy_call`, which without CUDA queues the
+    call for a CUDA initialisation that never comes, so the state would silently never be set."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = get_rng_state
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = torch.manual_seed
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
 # ---- 2. megatron.bridge --------------------------------------------------------------------------------
