@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.nemo_faults import DRIVER_PID_ENV, FAULT_ENV
-from tests.support.nemo_megatron_rehearsal_run import run_driver, upstream_seams
+from tests.support.nemo_megatron_rehearsal_run import new_driver_calls, run_driver, upstream_seams
 from tests.support.ray_head import private_ray_head
 
 TMPFS_BYTES = 48 * 2**20
@@ -145,7 +145,7 @@ def driver_in_its_own_process(root: Path, spec_path: Path, uri: str, record: lis
 
 def kill_driver_attempt(spec: dict, uri: str) -> None:
     root, config = Path(spec["root"]), Path(spec["config"])
-    calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
+    calls = new_driver_calls()
     with upstream_seams(root / "record", calls):
         calls["on_train"].append(lambda: len(calls["train"]) == 2 and os.kill(os.getpid(), signal.SIGKILL))
         run_driver(config, calls["built"], [f"++logger.mlflow.tracking_uri={uri}"])
@@ -165,7 +165,7 @@ def rehearse(spec: dict, spec_path: Path) -> None:
     (root / "mlflow").mkdir(exist_ok=True)
     server.start()
     record: list = []
-    calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
+    calls = new_driver_calls()
     marker = lambda name: str(root / f"fired_{name}")
     facts: dict = {"tmpfs": tmpfs, "mlflow": server.uri}
     try:

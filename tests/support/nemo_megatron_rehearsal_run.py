@@ -43,6 +43,13 @@ ASYNC_ACTORS = [f"nemo_rl.algorithms.async_utils.{name}" for name in ("AsyncTraj
 
 
 @contextmanager
+def new_driver_calls() -> dict:
+    """What `upstream_seams` fills: the batches the driver hands Policy.train and Policy.get_logprobs (with
+    the latter's results), how many get_logprobs calls came before each train call, hooks to run at each
+    train call, and the Policy and VllmGeneration objects the driver built."""
+    return {"train": [], "get_logprobs": [], "logprob_calls_before_train": [], "on_train": [], "built": []}
+
+
 def upstream_seams(record_dir: Path, driver_calls: dict):
     """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
     driver hands them:
@@ -67,6 +74,7 @@ def upstream_seams(record_dir: Path, driver_calls: dict):
 
     def train(self, data, *args, **kwargs):
         driver_calls["train"].append(data)
+        driver_calls["logprob_calls_before_train"].append(len(driver_calls["get_logprobs"]))
         for hook in driver_calls["on_train"]:
             hook()
         return original_train(self, data, *args, **kwargs)
@@ -146,7 +154,7 @@ def rehearse(spec: dict) -> None:
     """With `stop_at`: run 1 gets SIGUSR1 at train() call `stop_at` (during the stop step) and stops after
     checkpointing; run 2 is the same command, resuming. Without it: one run to the end."""
     root, config = Path(spec["root"]), Path(spec["config"])
-    calls: dict = {"train": [], "get_logprobs": [], "on_train": [], "built": []}
+    calls = new_driver_calls()
     seen = []
 
     def signal_during_stop_step():
@@ -175,7 +183,8 @@ def rehearse(spec: dict) -> None:
             started = time.time()
             runs.append({"rc": run_driver(config, calls["built"]), "seconds": time.time() - started})
     torch.save({"train": [dict(b) for b in calls["train"]],
-                "get_logprobs": [(dict(d), dict(r)) for d, r in calls["get_logprobs"]]}, root / "driver_calls.pt")
+                "get_logprobs": [(dict(d), dict(r)) for d, r in calls["get_logprobs"]],
+                "logprob_calls_before_train": calls["logprob_calls_before_train"]}, root / "driver_calls.pt")
     (root / "runs.json").write_text(json.dumps({"runs": runs, "checkpoints_after_stop": checkpoints_after_stop}))
 
 

@@ -176,7 +176,8 @@ def load_rehearsal(root: Path) -> dict:
         "info": summary["info"], "assets": summary["assets"], "runs": summary["runs"],
         "checkpoints_after_stop": summary["checkpoints_after_stop"],
         "calls": {"train": [BatchedDataDict(b) for b in calls["train"]],
-                  "get_logprobs": [(BatchedDataDict(d), BatchedDataDict(r)) for d, r in calls["get_logprobs"]]},
+                  "get_logprobs": [(BatchedDataDict(d), BatchedDataDict(r)) for d, r in calls["get_logprobs"]],
+                  "logprob_calls_before_train": calls["logprob_calls_before_train"]},
     }
 
 
@@ -225,7 +226,8 @@ def optimizer_steps(rehearsal) -> list[dict]:
     one-process weights before the step."""
     records = policy_records(rehearsal["record"])
     driver_batches = rehearsal["calls"]["train"]
-    searched = searched_logprobs(driver_batches, rehearsal["calls"]["get_logprobs"])
+    searched = searched_logprobs(driver_batches, rehearsal["calls"]["get_logprobs"],
+                                 rehearsal["calls"]["logprob_calls_before_train"])
     steps = []
     for k, batch in enumerate(driver_batches):
         per_rank = {rank: of_kind(recs, "train")[k] for rank, recs in records.items()}
@@ -235,22 +237,21 @@ def optimizer_steps(rehearsal) -> list[dict]:
     return steps
 
 
-def searched_logprobs(train_batches: list, logprob_calls: list) -> list[torch.Tensor]:
+def searched_logprobs(train_batches: list, logprob_calls: list, calls_before_train: list[int]) -> list[torch.Tensor]:
     """The current policy's log-probs the driver searched each optimizer step's bounds with: the step's
-    own extra get_logprobs pass over exactly its rows (a later step of a rollout batch), else its
-    `prev_logprobs` (the first step: grpo computed them at these weights just before train()). Passes
-    are matched in call order, so a batch equal to a later step's never takes that step's pass."""
-    out, next_call = [], 0
-    for batch in train_batches:
+    own extra get_logprobs pass over exactly its rows, made right before its train() (a later step of a
+    rollout batch), else its `prev_logprobs` (the first step: grpo computed them at these weights just
+    before train()). Matched by place, not by content alone: two steps of one rollout batch can hold
+    the same rows (one prompt drawn twice, its responses alike), and the later one's pass is made at
+    weights the earlier one's step changed."""
+    out = []
+    for batch, before in zip(train_batches, calls_before_train, strict=True):
         current = batch["prev_logprobs"]
-        for i in range(next_call, len(logprob_calls)):
-            data, result = logprob_calls[i]
-            if same_sequences(data, batch):
-                width = result["logprobs"].shape[1]  # Policy.train pads the batch it was handed in place
-                current = torch.zeros_like(batch["prev_logprobs"])
-                current[:, :width] = result["logprobs"]
-                next_call = i + 1
-                break
+        if before > 0 and same_sequences(logprob_calls[before - 1][0], batch):
+            result = logprob_calls[before - 1][1]
+            width = result["logprobs"].shape[1]  # Policy.train pads the batch it was handed in place
+            current = torch.zeros_like(batch["prev_logprobs"])
+            current[:, :width] = result["logprobs"]
         out.append(current)
     return out
 

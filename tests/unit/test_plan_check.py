@@ -207,9 +207,7 @@ def test_hf_config_file_is_used(tmp_path):
         '"num_key_value_heads": 8, "intermediate_size": 27648, "vocab_size": 152064}'
     )
     _, findings, _, _ = run_check(
-        _args(CONFIGS / "bapo_32b.yaml", 8, 8)
-        if False
-        else argparse.Namespace(**{**vars(_args(CONFIGS / "bapo_32b.yaml", 8, 8)), "hf_config": str(hf)})
+        argparse.Namespace(**{**vars(_args(CONFIGS / "bapo_32b.yaml", 8, 8)), "hf_config": str(hf)})
     )
     assert "48 attention heads" not in str(findings)  # 48 % 8 == 0: fine
     hf.write_text(hf.read_text().replace('"num_attention_heads": 48', '"num_attention_heads": 44'))
