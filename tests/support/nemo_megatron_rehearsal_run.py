@@ -42,7 +42,6 @@ ASYNC_GENERATION_WORKER = "tests.support.nemo_vllm_standins.CPUVllmAsyncGenerati
 ASYNC_ACTORS = [f"nemo_rl.algorithms.async_utils.{name}" for name in ("AsyncTrajectoryCollector", "ReplayBuffer")]
 
 
-@contextmanager
 def new_driver_calls() -> dict:
     """What `upstream_seams` fills: the batches the driver hands Policy.train and Policy.get_logprobs (with
     the latter's results), how many get_logprobs calls came before each train call, hooks to run at each
@@ -50,6 +49,7 @@ def new_driver_calls() -> dict:
     return {"train": [], "get_logprobs": [], "logprob_calls_before_train": [], "on_train": [], "built": []}
 
 
+@contextmanager
 def upstream_seams(record_dir: Path, driver_calls: dict):
     """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
     driver hands them:
