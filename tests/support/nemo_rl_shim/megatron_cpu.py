@@ -156,7 +156,6 @@ def _install_cuda_on_cpu() -> None:
     cuda.current_stream = lambda device=None: _STREAM
     cuda.nvtx.range_push = lambda msg: 0  # NeMo-RL's wrap_with_nvtx_name profiling ranges
     cuda.nvtx.range_pop = lambda: 0
-    _cuda_rng_is_the_cpu_generator()
 
 
 def _cuda_rng_is_the_cpu_generator() -> None:
@@ -523,6 +522,7 @@ def install() -> None:
         for name in names:
             if not hasattr(module, name):
                 setattr(module, name, _placeholder(module_name, name))
+    _cuda_rng_is_the_cpu_generator()  # imports megatron-core: after the finders (item 4's lazy modules)
     pickled_under_torchs_name()
     _INSTALLED = True
 
