@@ -17,7 +17,13 @@ import torch
 
 from bapo_nemo.rollout import GenerationChunk, PartialRolloutConfig, PartialRolloutManager, PromptItem
 from tests.support.ray_head import private_ray_head
-from tests.support.vllm_engine import MAX_MODEL_LEN, trainer_names, trainer_token_logprobs, write_tiny_qwen2
+from tests.support.vllm_engine import (
+    MAX_MODEL_LEN,
+    response_logprobs,
+    trainer_names,
+    trainer_token_logprobs,
+    write_tiny_qwen2,
+)
 
 # float32 on both sides; the engine's CPU attention and fused projections sum in another order than
 # HF's eager attention. Measured differences are ~1e-6; an off-by-one position or stale weight is > 0.1.
@@ -220,9 +226,7 @@ def megatron(engine, tmp_path_factory):
 
 def _megatron_logprobs(megatron, context, response, temperature):
     logits = ray.get(megatron.logits.remote(list(context) + list(response)))
-    start = len(context) - 1
-    scaled = logits[start : start + len(response)] / temperature
-    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+    return response_logprobs(logits, len(context), response, temperature)
 
 
 def test_a_refit_from_megatrons_gpt_model_reaches_the_engine(engine, megatron):

@@ -14,7 +14,6 @@ megatron_cpu.py), which patch torch process-wide, so the model lives in a proces
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import ray
@@ -114,7 +113,6 @@ class MegatronQwen2:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from transformers import AutoConfig, Qwen2ForCausalLM
 
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1234)

@@ -74,7 +74,12 @@ def trainer_token_logprobs(model, context: Sequence[int], response: Sequence[int
     ids = torch.tensor([list(context) + list(response)])
     with torch.no_grad():
         logits = model(ids).logits[0].double()
-    start = len(context) - 1
+    return response_logprobs(logits, len(context), response, temperature)
+
+
+def response_logprobs(logits: torch.Tensor, context_len: int, response: Sequence[int], temperature: float = 1.0):
+    """log_softmax(logits / T) of each response token, from the logits over context + response."""
+    start = context_len - 1
     scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
 
