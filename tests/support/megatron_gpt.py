@@ -77,20 +77,41 @@ def megatron_from_hf(hf: dict[str, torch.Tensor], hf_config) -> dict[str, torch.
     return {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
 
 
-def transformer_config(hf_config):
-    """megatron-core's TransformerConfig of an HF Qwen2 config, in float32 with no fused kernels (CPU)."""
+def transformer_config(hf_config, **fields):
+    """megatron-core's TransformerConfig of an HF Qwen2 config, in float32 with no fused kernels (CPU);
+    `fields` set the rest (the parallel layout and precision a policy config asks for)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads, kv_channels=hf_config.hidden_size // hf_config.num_attention_heads,
-        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=True,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-    )
+    shape = {
+        "num_layers": hf_config.num_hidden_layers, "hidden_size": hf_config.hidden_size,
+        "ffn_hidden_size": hf_config.intermediate_size, "num_attention_heads": hf_config.num_attention_heads,
+        "num_query_groups": hf_config.num_key_value_heads, "kv_channels": hf_config.hidden_size // hf_config.num_attention_heads,
+        "normalization": "RMSNorm", "layernorm_epsilon": hf_config.rms_norm_eps, "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu, "add_bias_linear": False, "add_qkv_bias": True,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "params_dtype": torch.float32, "use_cpu_initialization": True,
+        "bias_activation_fusion": False, "bias_dropout_fusion": False, "masked_softmax_fusion": False,
+        "apply_rope_fusion": False, "persist_layer_norm": False, "gradient_accumulation_fusion": False,
+    }
+    return TransformerConfig(**{**shape, **fields})
+
+
+def gpt_model_kwargs(hf_config) -> dict:
+    """GPTModel's arguments after its TransformerConfig for an HF Qwen2: the local layer spec, vocabulary,
+    RoPE, an untied output layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return {
+        "transformer_layer_spec": get_gpt_layer_local_spec(normalization="RMSNorm"), "vocab_size": hf_config.vocab_size,
+        "max_sequence_length": hf_config.max_position_embeddings, "position_embedding_type": "rope",
+        "rotary_base": rope_theta(hf_config), "share_embeddings_and_output_weights": False,
+    }
+
+
+@torch.no_grad()
+def load_hf(model, hf: dict[str, torch.Tensor], hf_config) -> None:
+    """Bridge's import: every GPTModel parameter from the HF names, none left over (strict)."""
+    extra = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    model.load_state_dict({**megatron_from_hf(hf, hf_config), **extra}, strict=True)
 
 
 def rope_theta(hf_config) -> float:
@@ -109,7 +130,6 @@ class MegatronQwen2:
         megatron_cpu.install()
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from transformers import AutoConfig, Qwen2ForCausalLM
 
@@ -117,20 +137,11 @@ class MegatronQwen2:
         parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1234)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
-        self.model = GPTModel(
-            transformer_config(self.hf_config), get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=self.hf_config.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
-            position_embedding_type="rope", rotary_base=rope_theta(self.hf_config),
-            share_embeddings_and_output_weights=False,
-        ).eval()
-        hf = Qwen2ForCausalLM.from_pretrained(model_dir).state_dict()
-        self.load_hf(list(hf.items()))
+        self.model = GPTModel(transformer_config(self.hf_config), **gpt_model_kwargs(self.hf_config)).eval()
+        self.load_hf(list(Qwen2ForCausalLM.from_pretrained(model_dir).state_dict().items()))
 
     def load_hf(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Bridge's import: every GPTModel parameter from the HF names, none left over (strict)."""
-        state = megatron_from_hf(dict(weights), self.hf_config)
-        extra = {k: v for k, v in self.model.state_dict().items() if k.endswith("_extra_state")}
-        self.model.load_state_dict({**state, **extra}, strict=True)
+        load_hf(self.model, dict(weights), self.hf_config)
 
     def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The refit's conversion of the current weights to HF names."""

@@ -13,9 +13,12 @@ What `__init__` replaces, and why (megatron_policy_worker.py lines 242-450):
 - `setup_distributed` (NCCL) -> a gloo process group, then megatron-core's real
   `parallel_state.initialize_model_parallel(TP, PP, CP)`.
 - `setup_model_and_optimizer` (Megatron-Bridge: HF import, GPTModel with Transformer Engine layers) ->
+  for an HF Qwen2 checkpoint, megatron-core's own GPTModel with its local layer spec (`Qwen2GPTModel`, TP 1
+  and CP 1: tests/support/megatron_gpt.py converts the weights as Bridge would); for the tiny LM (the
+  rehearsals of TP/CP layouts: context-parallel attention is a Transformer Engine kernel),
   `TinyParallelLM` below, a MegatronModule built from megatron-core's own tensor-parallel layers
   (VocabParallelEmbedding, Column/RowParallelLinear, sequence parallel as configured) that reads its
-  positions from the packed-sequence parameters in CP's chunk layout; it is wrapped in megatron-core's
+  positions from the packed-sequence parameters in CP's chunk layout. Either is wrapped in megatron-core's
   real `DistributedDataParallel` and optimised by its real `get_megatron_optimizer` (the distributed
   optimizer when configured) and `OptimizerParamScheduler`, configured from `policy.megatron_cfg` as
   NeMo-RL's `_create_megatron_config` does. Resume loads the checkpoint through the Bridge-format load in
@@ -25,8 +28,8 @@ What `__init__` replaces, and why (megatron_policy_worker.py lines 242-450):
   `should_disable_forward_pre_hook` / DP size; no Megatron tokenizer or AutoBridge (refit converters).
 - Refit: `prepare_refit_info` / `stream_weights_via_ipc_zmq` convert through Megatron-Bridge and stream
   CUDA-IPC handles over ZMQ (non-colocated: `init_collective` / `broadcast_weights_for_collective`, an NCCL
-  broadcast); here rank 0 gathers the tensor-parallel shards into the tiny LM's
-  one-process weights and posts them to the generation workers' mailbox (tests/support/nemo_vllm_standins.py).
+  broadcast); here rank 0 gathers the model's one-process weights (HF names for the GPTModel, which the
+  real engine loads) and posts them to the generation workers' mailbox (tests/support/refit_mailbox.py).
 - `get_free_memory_bytes` reads NVML; here a fixed figure.
 
 Test instrumentation (only when `BAPO_REHEARSAL_RECORD_DIR` is set): every loss call's inputs and
@@ -66,6 +69,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -76,22 +80,21 @@ from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 from nemo_rl.utils.timer import Timer
 
+from tests.support import megatron_gpt, refit_mailbox
 from tests.support.nemo_faults import FaultInTheMiddle, reached
 from tests.support.nemo_vllm_standins import (
     FFN,
     HIDDEN,
     RECORD_DIR_ENV,
     TP_SPLIT_DIM,
+    WEIGHTS_FILE,
     load_weights,
-    refit_mailbox,
-    weights_to_bytes,
 )
 
 gc.freeze()
 if _gc_was_enabled:
     gc.enable()
 
-RAY_TIMEOUT_S = 300
 
 
 # ---- the tiny LM in Megatron's layout --------------------------------------------------------------------
@@ -183,29 +186,73 @@ class TinyParallelLM(MegatronModule):
 
 
 # ---- the worker ----------------------------------------------------------------------------------------
-def _transformer_config(policy_cfg: dict) -> TransformerConfig:
+def _transformer_config(policy_cfg: dict, hf_config=None) -> TransformerConfig:
     """The model-config fields NeMo-RL sets from policy.megatron_cfg (setup.py `_apply_parallelism_config`,
-    `_validate_training_config`, precision) on the tiny LM's shape."""
+    `_validate_training_config`, precision) on the model's shape: the HF Qwen2's, or the tiny LM's."""
     mcfg = policy_cfg["megatron_cfg"]
     precision = policy_cfg["precision"]
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=8,
-        tensor_model_parallel_size=mcfg["tensor_model_parallel_size"],
-        pipeline_model_parallel_size=mcfg["pipeline_model_parallel_size"],
-        context_parallel_size=mcfg["context_parallel_size"],
-        sequence_parallel=mcfg["sequence_parallel"] and mcfg["tensor_model_parallel_size"] > 1,
-        calculate_per_token_loss=True,  # setup.py line 940: NeMo-RL scales the loss itself
-        perform_initialization=True,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,  # a CUDA kernel
-        bf16=precision == "bfloat16",
-        fp16=precision == "float16",
-        params_dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision, torch.float32),
-        pipeline_dtype=torch.float32,
-    )
+    fields = {
+        "tensor_model_parallel_size": mcfg["tensor_model_parallel_size"],
+        "pipeline_model_parallel_size": mcfg["pipeline_model_parallel_size"],
+        "context_parallel_size": mcfg["context_parallel_size"],
+        "sequence_parallel": mcfg["sequence_parallel"] and mcfg["tensor_model_parallel_size"] > 1,
+        "calculate_per_token_loss": True,  # setup.py line 940: NeMo-RL scales the loss itself
+        "perform_initialization": True,
+        "use_cpu_initialization": True,
+        "gradient_accumulation_fusion": False,  # a CUDA kernel
+        "bf16": precision == "bfloat16",
+        "fp16": precision == "float16",
+        "params_dtype": {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision, torch.float32),
+        "pipeline_dtype": torch.float32,
+    }
+    if hf_config is not None:
+        return megatron_gpt.transformer_config(hf_config, **fields)
+    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=8, **fields)
+
+
+def hf_checkpoint_config(model_dir: str):
+    """The HF config of an HF checkpoint (trained as megatron-core's GPTModel); None for the tiny LM."""
+    if (Path(model_dir) / WEIGHTS_FILE).exists():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _policy_model(model_dir: str, config: TransformerConfig, hf_config):
+    """The model a worker trains, holding the checkpoint's weights: an HF Qwen2 in megatron-core's GPTModel
+    (what Megatron-Bridge builds on the cluster), or the tiny LM in Megatron's layout."""
+    if hf_config is None:
+        full = load_weights(model_dir)
+        module = TinyParallelLM(config, full["embedding.weight"].shape[0], full["position_embedding.weight"].shape[0])
+        module.load_full(full)
+        return module
+    if config.tensor_model_parallel_size != 1 or config.context_parallel_size != 1:
+        raise NotImplementedError(
+            "GPTModel on CPU runs at TP 1 and CP 1 only: the weight conversion is the unsplit one, and "
+            "context-parallel attention is a Transformer Engine kernel (the tiny LM rehearses those layouts)")
+    from safetensors.torch import load_file
+
+    module = Qwen2GPTModel(config, hf_config)
+    module.load_full(load_file(str(Path(model_dir) / "model.safetensors")))
+    return module
+
+
+class Qwen2GPTModel(GPTModel):
+    """megatron-core's GPTModel (local layer spec) holding an HF Qwen2, with the tiny LM's two hand-overs:
+    `load_full` takes HF-named weights, `gather_full` gives them back in HF names (the refit's, which the
+    real engine loads). tests/support/megatron_gpt.py converts; Megatron-Bridge does on the cluster."""
+
+    def __init__(self, config: TransformerConfig, hf_config):
+        super().__init__(config, **megatron_gpt.gpt_model_kwargs(hf_config))
+        self.hf_config = hf_config
+
+    def load_full(self, hf: dict[str, torch.Tensor]) -> None:
+        megatron_gpt.load_hf(self, hf, self.hf_config)
+
+    @torch.no_grad()
+    def gather_full(self) -> dict[str, torch.Tensor]:
+        return megatron_gpt.hf_from_megatron(self.state_dict(), self.hf_config)
 
 
 def _optimizer_config(policy_cfg: dict) -> OptimizerConfig:
@@ -287,6 +334,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             context_parallel_size=mcfg["context_parallel_size"],
         )
         torch.manual_seed(1234)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)  # Bridge's `_set_random_seed`: GPTModel's attention forks it
 
         # Steps 2-3: model paths and the runtime config (setup.py `validate_and_set_config`).
         self.tokenizer = tokenizer
@@ -301,7 +349,8 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
         self.offload_optimizer_for_logprob = config["offload_optimizer_for_logprob"]
         self.defer_fp32_logits = False
         self.fp8_cfg = mcfg.get("fp8_cfg", None)
-        model_config = _transformer_config(config)
+        hf_config = hf_checkpoint_config(config["model_name"])
+        model_config = _transformer_config(config, hf_config)
         self.megatron_cfg = SimpleNamespace(
             model=model_config,
             optimizer=_optimizer_config(config),
@@ -313,11 +362,8 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
         )
 
         # Step 4: model, optimizer, scheduler (setup.py `setup_model_and_optimizer`).
-        full = load_weights(config["model_name"])
-        vocab, positions = full["embedding.weight"].shape[0], full["position_embedding.weight"].shape[0]
-        self.final_padded_vocab_size = vocab
-        module = TinyParallelLM(model_config, vocab, positions)
-        module.load_full(full)
+        module = _policy_model(config["model_name"], model_config, hf_config)
+        self.final_padded_vocab_size = module.output_layer.weight.shape[0] * mcfg["tensor_model_parallel_size"]
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.model = DistributedDataParallel(
             model_config, self.megatron_cfg.ddp, module, pg_collection=pg_collection
@@ -418,7 +464,7 @@ class CPUMegatronPolicyWorkerImpl(MegatronPolicyWorkerImpl):
             # The weights' version: optimizer steps taken (the LR scheduler counts samples; it is
             # checkpointed, so the count goes on across a resume).
             steps = self.scheduler.num_steps // self.cfg["train_global_batch_size"]
-            ray.get(refit_mailbox().post.remote(weights_to_bytes(full), steps), timeout=RAY_TIMEOUT_S)
+            refit_mailbox.post(full, steps)
 
     # Non-colocated generation: upstream opens an NCCL group over the trainer's and the generation
     # engines' ranks and broadcasts the weights in it; here they go through the same mailbox.

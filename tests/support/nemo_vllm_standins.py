@@ -19,7 +19,7 @@ zero and BAPO's searches have both signs to weigh.
 `VllmGeneration` builds its `RayWorkerGroup` (tied TP groups, one model owner each), shards batches by DP
 and merges the results; each owner samples token by token from the tiny LM and answers in the layout of
 `VllmGenerationWorker.generate`. Refit (vLLM's CUDA-IPC/ZMQ weight stream) becomes a hand-over through a
-named Ray actor (`RefitMailbox`): the policy's rank 0 posts the full weights, every owner takes the newest.
+named Ray actor (tests/support/refit_mailbox.py): the policy's rank 0 posts the full weights, every owner takes the newest.
 
 `CPUVllmAsyncGenerationWorker` replaces `VllmAsyncGenerationWorker` (`vllm_cfg.async_engine`): its methods
 are upstream's, written around `self.llm`, here `CPUAsyncLLM`, a CPU stand-in for vLLM's AsyncLLM with its
@@ -43,16 +43,16 @@ from typing import Any
 
 import ray
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load_file, save_file
 
 from tests.support.nemo_faults import reached
+from tests.support.refit_mailbox import take_newer
 
 WEIGHTS_FILE = "tiny_lm.safetensors"
 SHAPE_FILE = "tiny_lm.json"
 HIDDEN, FFN = 32, 64
 # Plain concatenation: the character tokenizer has no chat template of its own.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-MAILBOX = "bapo_rehearsal_refit_mailbox"
 # Where the generation workers record what they sampled (the test process reads it back).
 RECORD_DIR_ENV = "BAPO_REHEARSAL_RECORD_DIR"
 
@@ -198,52 +198,6 @@ def load_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(Path(model_dir) / WEIGHTS_FILE))
 
 
-# ---- refit hand-over ----------------------------------------------------------------------------------
-@ray.remote(num_cpus=0)
-class RefitMailbox:
-    """Holds the newest weights the policy posted; `take` waits for weights newer than the caller's.
-
-    The weights travel as safetensors bytes (`weights_to_bytes`), as vLLM's refit moves raw buffers:
-    a tensor pickled in a process that imported megatron-core (the policy workers) names megatron-core's
-    storage loader, so unpickling it would import megatron-core into the mailbox and every generation
-    worker (~5 CPU-s each, per run)."""
-
-    def __init__(self):
-        self.version, self.weights, self.policy_steps = 0, None, None
-        self.posted = asyncio.Condition()
-
-    async def post(self, weights: bytes, policy_steps: int) -> int:
-        async with self.posted:
-            self.version += 1
-            self.weights, self.policy_steps = weights, policy_steps
-            self.posted.notify_all()
-        return self.version
-
-    async def take(self, newer_than: int) -> tuple[int, bytes, int]:
-        async with self.posted:
-            await self.posted.wait_for(lambda: self.version > newer_than)
-            return self.version, self.weights, self.policy_steps
-
-
-def weights_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
-    return save(weights)
-
-
-_MAILBOX: list = []
-
-
-def refit_mailbox():
-    """The run's mailbox. Created by the first worker that asks and kept alive by the handle each worker
-    holds (a named actor goes away with its last reference): it ends with the run's workers, so a resumed
-    run gets a new one."""
-    if not _MAILBOX:
-        _MAILBOX.append(RefitMailbox.options(name=MAILBOX, get_if_exists=True).remote())
-    return _MAILBOX[0]
-
-
-RAY_TIMEOUT_S = 300
-
-
 # ---- vLLM's place -------------------------------------------------------------------------------------
 class TinyLMGenerationWorker:
     """What both generation stand-ins share: each tied group's model owner (the worker given
@@ -298,11 +252,9 @@ class TinyLMGenerationWorker:
             if missing:
                 raise ValueError(f"refit names differ from the generation model's: {sorted(missing)}")
 
-    def install(self, taken: tuple[int, bytes, int]) -> bool:
-        """Weights taken from the mailbox (`RefitMailbox.take`) become the ones sampled from."""
-        version, weights, steps = taken
-        self.version, self.policy_steps = version, steps
-        self.weights = load(weights)
+    def install(self, taken: tuple[int, dict[str, torch.Tensor], int]) -> bool:
+        """Weights taken from the mailbox (`take_newer`) become the ones sampled from."""
+        self.version, self.weights, self.policy_steps = taken
         return True
 
     def record(self, rows: list[dict[str, Any]], name: str) -> None:
@@ -386,7 +338,7 @@ class CPUVllmGenerationWorkerImpl(TinyLMGenerationWorker):
     def update_weights_via_ipc_zmq(self) -> bool:
         if not self.is_model_owner:
             return True
-        return self.install(ray.get(refit_mailbox().take.remote(self.version), timeout=RAY_TIMEOUT_S))
+        return self.install(take_newer(self.version))
 
     def update_weights_from_collective(self) -> bool:
         return self.update_weights_via_ipc_zmq()
@@ -545,8 +497,7 @@ class CPUAsyncLLM:
     def update_weights_from_collective(self) -> bool:
         # vLLM receives an NCCL broadcast from the trainer; here the newest weights the policy posted. The
         # engine waits for them, as vLLM's engine core does during an update.
-        taken = ray.get(refit_mailbox().take.remote(self.worker.version))
-        self.worker.install(taken)
+        self.worker.install(take_newer(self.worker.version))
         self.updates += 1
         directory = os.environ.get(RECORD_DIR_ENV)
         if directory:  # the weights each update brought, for the tests' log-prob references

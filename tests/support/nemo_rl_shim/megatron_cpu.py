@@ -168,8 +168,13 @@ def _cuda_rng_is_the_cpu_generator() -> None:
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
         return torch.get_rng_state()
 
+    def manual_seed(seed: int) -> None:
+        # a function of its own: torch.compile's rule table (megatron-core's fusions compile at import)
+        # refuses one object under two torch names
+        torch.manual_seed(seed)
+
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = get_rng_state
-    torch.cuda.manual_seed = torch.cuda.random.manual_seed = torch.manual_seed
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = manual_seed
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
