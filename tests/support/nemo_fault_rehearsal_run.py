@@ -34,12 +34,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.nemo_faults import DRIVER_PID_ENV, FAULT_ENV
+from tests.support.nemo_faults import ATTEMPT_ENV, DRIVER_PID_ENV, FAULT_ENV
 from tests.support.nemo_megatron_rehearsal_run import new_driver_calls, run_driver, upstream_seams
 from tests.support.ray_head import private_ray_head
 
 TMPFS_BYTES = 48 * 2**20
-WORKER_TITLES = ("CPUMegatronPolicyWorker", "CPUVllmGenerationWorker")
+WORKER_TITLES = ("CPUMegatronPolicyWorker", "CPUEngineVllmGenerationWorker")
 DISK_FULL_RESERVE = 4096  # what the filler leaves free: less than any checkpoint file
 
 
@@ -106,6 +106,7 @@ def attempt(root: Path, config: Path, uri: str, calls: dict, name: str, fault: d
             on_train: dict[int, Callable[[], None]], record: list) -> None:
     """One driver run in this process with `fault` planned and `on_train[k]` run at its k-th train call."""
     os.environ[FAULT_ENV] = json.dumps(fault) if fault else ""
+    os.environ[ATTEMPT_ENV] = str(len(record) + 1)
     seen = []
 
     def at_train():
@@ -135,6 +136,7 @@ def driver_in_its_own_process(root: Path, spec_path: Path, uri: str, record: lis
     """The driver SIGKILLs itself at its 2nd train call (the process a lost node takes)."""
     started = time.time()
     log = root / "attempt4.log"
+    os.environ[ATTEMPT_ENV] = str(len(record) + 1)
     with log.open("w") as out:
         done = subprocess.run([sys.executable, "-m", "tests.support.nemo_fault_rehearsal_run", str(spec_path), "--kill-driver", uri],
                               stdout=out, stderr=subprocess.STDOUT, check=False)
@@ -146,7 +148,7 @@ def driver_in_its_own_process(root: Path, spec_path: Path, uri: str, record: lis
 def kill_driver_attempt(spec: dict, uri: str) -> None:
     root, config = Path(spec["root"]), Path(spec["config"])
     calls = new_driver_calls()
-    with upstream_seams(root / "record", calls):
+    with upstream_seams(root / "record", calls, engine=True):
         calls["on_train"].append(lambda: len(calls["train"]) == 2 and os.kill(os.getpid(), signal.SIGKILL))
         run_driver(config, calls["built"], [f"++logger.mlflow.tracking_uri={uri}"])
 
@@ -169,7 +171,8 @@ def rehearse(spec: dict, spec_path: Path) -> None:
     marker = lambda name: str(root / f"fired_{name}")
     facts: dict = {"tmpfs": tmpfs, "mlflow": server.uri}
     try:
-        with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(root / "record", calls):
+        with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(
+                root / "record", calls, engine=True):
             attempt(root, config, server.uri, calls, "policy worker killed",
                     {"at": "policy.train", "rank": 1, "call": 2, "do": "kill", "marker": marker("policy")}, {}, record)
             arm = root / "arm_generation"

@@ -25,6 +25,8 @@ from pathlib import Path
 
 FAULT_ENV = "BAPO_REHEARSAL_FAULT"
 DRIVER_PID_ENV = "BAPO_REHEARSAL_DRIVER_PID"
+# Which attempt of the fault rehearsal a worker serves (1, 2, ...): the generation workers tag their records.
+ATTEMPT_ENV = "BAPO_REHEARSAL_ATTEMPT"
 
 _calls: Counter = Counter()
 

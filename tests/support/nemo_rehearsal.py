@@ -148,6 +148,18 @@ def rehearsal_assets(root: Path, *, sequence: int) -> dict:
     }
 
 
+def engine_rehearsal_assets(root: Path) -> dict:
+    """A rehearsal on megatron-core's GPTModel and the real vLLM engine: the warm-started tiny Qwen2 (an HF
+    checkpoint; the driver e2e tests' model), its sum prompts and the MLflow store."""
+    from tests.support.nemo_cpu_standins import write_math_jsonl, write_tiny_model
+
+    return {
+        "model": write_tiny_model(root / "tiny_qwen2"),
+        "train": write_math_jsonl(root / "train.jsonl"),
+        "mlflow": f"sqlite:///{root / 'mlflow.db'}",
+    }
+
+
 def run_rehearsal(root: Path, assets: dict, config: Path, info: dict, spec: dict, guard_s: float) -> dict:
     """The driver run(s) `spec` asks for on `config` (tests/support/nemo_megatron_rehearsal_run.py, in a process of its own);
     their record, as load_rehearsal reads it."""

@@ -26,6 +26,7 @@ from nemo_rl.models.generation.vllm.config import VllmSpecificArgs
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
+from tests.support.nemo_faults import ATTEMPT_ENV, reached
 from tests.support.vllm_engine import ENGINE_ENV, WORKER_EXTENSION
 
 WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
@@ -46,6 +47,12 @@ class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
         super()._create_engine(cpu_engine_kwargs(llm_kwargs))
 
+    def generate(self, data, greedy: bool = False):
+        reached("generation.generate")  # tests/support/nemo_faults.py: a batch handed over, not yet answered
+        result = super().generate(data, greedy)
+        record_samples(data, result)
+        return result
+
     def engine_rpc(self, method: str, args: tuple = ()) -> list:
         """`collective_rpc` on the engine's workers (the refit's end is one of the extension's methods)."""
         return self.llm.collective_rpc(method, args=tuple(args))
@@ -61,6 +68,34 @@ class CPUEngineVllmGenerationWorkerImpl(VllmGenerationWorkerImpl):
         return [[{"token_ids": list(s.token_ids),
                   "logprobs": [float(step[t].logprob) for step, t in zip(s.logprobs, s.token_ids)],
                   "finish_reason": s.finish_reason} for s in out.outputs] for out in outputs]
+
+
+def record_samples(data, result) -> None:
+    """With RECORD_DIR_ENV set, append what the engine sampled to RECORD_DIR_ENV/generation/engine-<pid>.jsonl:
+    per request its context, new tokens, their log-probs, the optimizer steps of the weights it served (the
+    last refit from the Megatron policy workers' mailbox; null before any) and the fault rehearsal's attempt."""
+    import json
+    import os
+    from pathlib import Path
+
+    from tests.support.nemo_vllm_standins import RECORD_DIR_ENV
+    from tests.support.vllm_cpu_worker import LOADED_POLICY_STEPS
+
+    directory = os.environ.get(RECORD_DIR_ENV)
+    if not directory:
+        return
+    steps = LOADED_POLICY_STEPS[0] if LOADED_POLICY_STEPS else None
+    attempt = os.environ.get(ATTEMPT_ENV)
+    path = Path(directory) / "generation" / f"engine-{os.getpid()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for i, n in enumerate(data["input_lengths"].tolist()):
+            new = int(result["generation_lengths"][i])
+            f.write(json.dumps({
+                "context": data["input_ids"][i, :n].tolist(), "tokens": result["output_ids"][i, n : n + new].tolist(),
+                "logprobs": result["logprobs"][i, n : n + new].tolist(), "policy_steps": steps,
+                "attempt": int(attempt) if attempt else None,
+            }) + "\n")
 
 
 @ray.remote

@@ -38,6 +38,11 @@ if not torch.cuda.is_available():
     torch.accelerator.synchronize = lambda *args, **kwargs: None
 
 
+# The optimizer steps the weights the engine serves have seen, from the last refit the mailbox brought (the
+# engine's worker runs in the generation worker's process: tests/support/nemo_vllm_worker.py reads it).
+LOADED_POLICY_STEPS: list[int] = []
+
+
 class RefitExtension:
     """Mixed into vLLM's worker class; its methods are called by name with `collective_rpc`."""
 
@@ -50,12 +55,24 @@ class RefitExtension:
         return f"cpu-{os.getpid()}"
 
     def update_weights_via_ipc_zmq(self) -> bool:
-        """What NeMo-RL's async worker calls for a refit (`update_weights_via_ipc_zmq_async`). Its CUDA-IPC/ZMQ
-        stream from the trainer is replaced by a safetensors file the test writes first (REFIT_FILE_ENV);
-        the weights end, as upstream's do, in vLLM's own `model.load_weights`."""
-        from safetensors.torch import load_file
+        """What NeMo-RL's workers call for a refit. Its CUDA-IPC/ZMQ stream from the trainer is replaced by
+        a safetensors file a trainer in the test's process writes first (REFIT_FILE_ENV), or else by the
+        newest weights the Megatron policy workers posted (tests/support/refit_mailbox.py, waiting for
+        them: upstream's stream and update run at once). The weights end, as upstream's do, in vLLM's own
+        `model.load_weights`."""
+        if os.environ.get(REFIT_FILE_ENV):
+            from safetensors.torch import load_file
 
-        self.load_trainer_weights(list(load_file(os.environ[REFIT_FILE_ENV]).items()))
+            weights = load_file(os.environ[REFIT_FILE_ENV])
+        else:
+            from tests.support.refit_mailbox import take_newer
+
+            self.refit_version, weights, steps = take_newer(getattr(self, "refit_version", 0))
+            LOADED_POLICY_STEPS[:] = [steps]
+        report = self.load_trainer_weights(list(weights.items()))
+        unloaded = set(report["parameters"]) - set(report["loaded"])
+        if unloaded:  # a stale parameter would serve the old weights' log-probs
+            raise RuntimeError(f"the refit left these engine parameters as they were: {sorted(unloaded)}")
         return True
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
