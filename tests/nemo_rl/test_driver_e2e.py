@@ -448,12 +448,13 @@ def test_async_grpo_trains_bapo_on_an_older_policys_samples_and_a_loop_error_fai
         # The clipped ratio (NeMo-RL's own probs_ratio_min/max of the loss call) is pi_theta / pi_gen.
         # Upstream exponentiates the raw log-ratio (loss_functions.py 463-473), while importance_ratio
         # clamps it at +-20 to keep the search finite, so a stale token below e^-20 differs: compare raw.
-        valid = ratio[mask > 0]
         raw = torch.exp(call["logprobs"] - call["data"]["generation_logprobs"][:, 1:])[mask > 0]
         got = (call["metrics"]["probs_ratio_min"], call["metrics"]["probs_ratio_max"])
         assert got == pytest.approx((float(raw.min()), float(raw.max())), rel=1e-5)
-        against_prev = loss_inputs(call, "prev_logprobs")[0][mask > 0]
-        gaps.append(float((valid - against_prev).abs().max()))
+        # behaviour against the current policy's log-probs, compared as log-probs: as ratios their gap
+        # would be scaled by the ratio itself (a token an update made 200x likelier turns 1e-6 into 2e-4)
+        behaviour, current = call["data"]["generation_logprobs"][:, 1:], call["data"]["prev_logprobs"][:, 1:]
+        gaps.append(float((behaviour - current)[mask > 0].abs().max()))
     # Every group (all sampled by the warm-started weights) holds a right and a wrong answer: every token
     # the searches weighed had a non-zero advantage, of both signs (the premise in nemo_cpu_standins.py).
     signs = advantage_signs_by_prompt(calls)
