@@ -27,6 +27,8 @@ FAULT_ENV = "BAPO_REHEARSAL_FAULT"
 DRIVER_PID_ENV = "BAPO_REHEARSAL_DRIVER_PID"
 # Which attempt of the fault rehearsal a worker serves (1, 2, ...): the generation workers tag their records.
 ATTEMPT_ENV = "BAPO_REHEARSAL_ATTEMPT"
+# Where the rehearsals' policy and generation workers record what they did (the test process reads it back).
+RECORD_DIR_ENV = "BAPO_REHEARSAL_RECORD_DIR"
 
 _calls: Counter = Counter()
 

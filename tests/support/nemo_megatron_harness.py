@@ -62,8 +62,9 @@ def _rank(rank: int, world: int, spec: dict, shards: list) -> None:
     from transformers import AutoTokenizer
 
     from bapo_nemo.nemo.loss import BAPOLossFn
+    from tests.support.nemo_faults import RECORD_DIR_ENV
     from tests.support.nemo_megatron_standins import CPUMegatronPolicyWorkerImpl, Recorder
-    from tests.support.nemo_vllm_standins import RECORD_DIR_ENV, load_weights
+    from tests.support.nemo_vllm_standins import load_weights
 
     policy = spec["policy"]
     mcfg = policy["megatron_cfg"]

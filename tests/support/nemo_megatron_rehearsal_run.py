@@ -74,7 +74,7 @@ def upstream_seams(record_dir: Path, driver_calls: dict, engine: bool = False):
     from nemo_rl.models.generation.vllm import vllm_generation
     from nemo_rl.models.policy.lm_policy import Policy
 
-    from tests.support.nemo_vllm_standins import RECORD_DIR_ENV
+    from tests.support.nemo_faults import RECORD_DIR_ENV
 
     original_train, original_logprobs = Policy.train, Policy.get_logprobs
 

@@ -81,11 +81,10 @@ from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyW
 from nemo_rl.utils.timer import Timer
 
 from tests.support import megatron_gpt, refit_mailbox
-from tests.support.nemo_faults import FaultInTheMiddle, reached
+from tests.support.nemo_faults import RECORD_DIR_ENV, FaultInTheMiddle, reached
 from tests.support.nemo_vllm_standins import (
     FFN,
     HIDDEN,
-    RECORD_DIR_ENV,
     TP_SPLIT_DIM,
     WEIGHTS_FILE,
     load_weights,

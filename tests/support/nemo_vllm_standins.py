@@ -45,7 +45,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.nemo_faults import reached
+from tests.support.nemo_faults import RECORD_DIR_ENV, reached
 from tests.support.refit_mailbox import take_newer
 
 WEIGHTS_FILE = "tiny_lm.safetensors"
@@ -53,8 +53,6 @@ SHAPE_FILE = "tiny_lm.json"
 HIDDEN, FFN = 32, 64
 # Plain concatenation: the character tokenizer has no chat template of its own.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-# Where the generation workers record what they sampled (the test process reads it back).
-RECORD_DIR_ENV = "BAPO_REHEARSAL_RECORD_DIR"
 
 
 # ---- the tiny LM, one-process form --------------------------------------------------------------------

@@ -26,7 +26,7 @@ from nemo_rl.models.generation.vllm.config import VllmSpecificArgs
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
-from tests.support.nemo_faults import ATTEMPT_ENV, reached
+from tests.support.nemo_faults import ATTEMPT_ENV, RECORD_DIR_ENV, reached
 from tests.support.vllm_engine import ENGINE_ENV, WORKER_EXTENSION
 
 WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
@@ -78,7 +78,6 @@ def record_samples(data, result) -> None:
     import os
     from pathlib import Path
 
-    from tests.support.nemo_vllm_standins import RECORD_DIR_ENV
     from tests.support.vllm_cpu_worker import LOADED_POLICY_STEPS
 
     directory = os.environ.get(RECORD_DIR_ENV)

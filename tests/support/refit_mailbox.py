@@ -24,7 +24,7 @@ RAY_TIMEOUT_S = 300
 class RefitMailbox:
     """Holds the newest weights the policy posted; `take` waits for weights newer than the caller's.
 
-    The weights travel as safetensors bytes (`weights_to_bytes`), as vLLM's refit moves raw buffers:
+    The weights travel as safetensors bytes, as vLLM's refit moves raw buffers:
     a tensor pickled in a process that imported megatron-core (the policy workers) names megatron-core's
     storage loader, so unpickling it would import megatron-core into the mailbox and every generation
     worker (~5 CPU-s each, per run)."""
@@ -46,14 +46,6 @@ class RefitMailbox:
             return self.version, self.weights, self.policy_steps
 
 
-def weights_to_bytes(weights: dict[str, torch.Tensor]) -> bytes:
-    return save(weights)
-
-
-def weights_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
-    return load(data)
-
-
 _MAILBOX: list = []
 
 
@@ -70,9 +62,9 @@ def take_newer(version: int) -> tuple[int, dict[str, torch.Tensor], int]:
     """The newest weights posted after `version` (waiting for them): (their version, the weights, the
     policy's optimizer steps they have seen)."""
     taken, data, steps = ray.get(refit_mailbox().take.remote(version), timeout=RAY_TIMEOUT_S)
-    return taken, weights_from_bytes(data), steps
+    return taken, load(data), steps
 
 
 def post(weights: dict[str, torch.Tensor], policy_steps: int) -> int:
     """Hand the policy's full weights (and the optimizer steps they have seen) to every taker."""
-    return ray.get(refit_mailbox().post.remote(weights_to_bytes(weights), policy_steps), timeout=RAY_TIMEOUT_S)
+    return ray.get(refit_mailbox().post.remote(save(weights), policy_steps), timeout=RAY_TIMEOUT_S)
