@@ -69,6 +69,11 @@ if os.environ.get("NEMO_RL_SRC"):
     # cost minutes of CPU for a model that runs in milliseconds): one value for all, so the engine's
     # actors fork from the Ray workers' warm parent too (torch reads it at import: tests/support/ray_zygote.py)
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    # vLLM's cache in this environment, not the developer's ~/.cache/vllm (NeMo-RL's engines use this root plus
+    # `_<seed>`): an engine start whose model-info entry is missing or another vLLM's (the same file name in
+    # every release, another hash) inspects the model class in a fresh interpreter, ~12 CPU-s. With the two
+    # trees' vLLM releases in one ~/.cache they overwrote each other's entry at nearly every engine start.
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
 
 
 def _has_cuda() -> bool:
