@@ -72,7 +72,7 @@ if os.environ.get("NEMO_RL_SRC"):
     # vLLM's cache in this environment, not the developer's ~/.cache/vllm (NeMo-RL's engines use this root plus
     # `_<seed>`): an engine start whose model-info entry is missing or another vLLM's (the same file name in
     # every release, another hash) inspects the model class in a fresh interpreter, ~12 CPU-s. With the two
-    # trees' vLLM releases in one ~/.cache they overwrote each other's entry at nearly every engine start.
+    # trees' vLLM releases in one ~/.cache each overwrote the other's entry.
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(sys.prefix, "vllm-cache"))
 
 
