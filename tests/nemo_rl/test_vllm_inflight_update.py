@@ -26,7 +26,7 @@ from tests.support.vllm_engine import (
 
 LOGPROB_TOL = 1e-4  # as in test_vllm_engine.py: measured ~1e-6 between the engine and the trainer
 PROMPT, MAX_TOKENS, PAD = [3, 17, 42, 8, 61], 100, 0
-ATTEMPTS = 3  # a request the engine finished before the pause is sampled again (the premise is checked)
+HOLD_AT = 10  # the engine holds the request once it has generated this many tokens, until the update
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +78,29 @@ def _applied_after(old, new, tokens: list[int], got: torch.Tensor) -> int:
 
 
 def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine):
-    """NeMo-RL's in-flight update lands between two steps of a running request: the tokens before it are the
-    old weights' (log-probs), the rest the new weights' over the request's cache from before; bapo_nemo's
-    record of that response, as the driver collects it, is [[0, 0 updates], [m, 1 update]] at that same m,
-    although the worker had streamed fewer tokens than m when the update was sent."""
-    for attempt in range(ATTEMPTS):
-        old, new = engine.weights[attempt % 2], engine.weights[(attempt + 1) % 2]  # back and forth
-        save_file({k: v.contiguous() for k, v in new.state_dict().items()}, str(engine.refit_file))
-        out = ray.get(engine.worker.generate_across_an_update.remote(PROMPT, MAX_TOKENS, attempt))
-        assert out["updated"] is True
-        tokens, got = out["token_ids"], torch.tensor(out["logprobs"], dtype=torch.float64)
-        assert len(tokens) == MAX_TOKENS
-        m = _applied_after(old, new, tokens, got)
-        taken = ray.get(engine.worker.take_token_versions.remote())
-        print(f"attempt {attempt}: {out['streamed']} token(s) streamed when the update was sent; the engine "
-              f"applied it after token {m} of {len(tokens)}; recorded {taken['records']}")
-        assert taken["updates"] == attempt + 1
-        expected_runs = [[0, attempt], [m, attempt + 1]] if m < len(tokens) else [[0, attempt]]
-        assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": expected_runs}]
-        if m < len(tokens):
-            return
-    pytest.fail(f"in {ATTEMPTS} attempts the engine never held a request across the update")
+    """NeMo-RL's in-flight update lands between two steps of a running request, held in the engine from its
+    token HOLD_AT until the update is applied: the tokens before it are the old weights' (log-probs), the
+    rest the new weights' over the request's cache from before; bapo_nemo's record of that response, as
+    the driver collects it, is [[0, 0 updates], [m, 1 update]] at that same m."""
+    old, new = engine.weights
+    save_file({k: v.contiguous() for k, v in new.state_dict().items()}, str(engine.refit_file))
+    before = ray.get(engine.worker.take_token_versions.remote())["updates"]
+
+    out = ray.get(engine.worker.generate_across_an_update.remote(PROMPT, MAX_TOKENS, 0, HOLD_AT))
+
+    assert out["updated"] is True
+    tokens, got = out["token_ids"], torch.tensor(out["logprobs"], dtype=torch.float64)
+    assert len(tokens) == MAX_TOKENS
+    m = _applied_after(old, new, tokens, got)
+    taken = ray.get(engine.worker.take_token_versions.remote())
+    print(f"{out['streamed']} token(s) streamed when the update was sent; the engine held {out['held']} and "
+          f"applied it after token {m} of {len(tokens)}; recorded {taken['records']}")
+    if out["held"]:  # paused at the step boundary after its token HOLD_AT + 1 until the update
+        assert [h["tokens"] for h in out["held"]] == [HOLD_AT + 1] == [m]
+    else:  # the update reached the engine a step before that boundary
+        assert m == HOLD_AT
+    assert taken["updates"] == before + 1
+    assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before], [m, before + 1]]}]
 
 
 def test_a_failed_update_leaves_the_response_on_one_version(engine):

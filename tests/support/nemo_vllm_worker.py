@@ -109,27 +109,32 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
         super()._create_engine(cpu_engine_kwargs(llm_kwargs))
 
-    async def generate_across_an_update(self, prompt: list[int], max_tokens: int, seed: int) -> dict:
-        """One request sampled (temperature 1) through the engine's `generate`, held in the engine
-        (`pause_generation(mode="keep")`) once its first output has streamed, NeMo-RL's
-        `update_weights_via_ipc_zmq_async` applied meanwhile, then resumed to its end. The update lands
-        inside the response unless the engine finished it before the pause (`finished_before_update`)."""
+    async def generate_across_an_update(self, prompt: list[int], max_tokens: int, seed: int,
+                                        hold_at: int | None = None) -> dict:
+        """One request sampled (temperature 1) through the engine's `generate`, with NeMo-RL's
+        `update_weights_via_ipc_zmq_async` sent once `hold_at` tokens have streamed (or the first output,
+        without `hold_at`). With `hold_at` the engine holds the request from then until the update is
+        applied (tests/support/vllm_cpu_worker.py, `hold_a_request`): the update lands after its token
+        `hold_at` or `hold_at` + 1, whichever step boundary the update reaches the engine at."""
         import uuid
 
         from vllm import SamplingParams
 
+        if hold_at is not None:
+            await self.llm.collective_rpc("hold_a_request", args=(hold_at,))
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True,
                                 detokenize=False, seed=seed)
         stream = self.llm.generate({"prompt_token_ids": list(prompt)}, params, request_id=f"held-{uuid.uuid4().hex}")
         last = await anext(stream)
+        while len(last.outputs[0].token_ids) < (hold_at or 1):
+            last = await anext(stream)
         streamed = len(last.outputs[0].token_ids)
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
         updated = await self.update_weights_via_ipc_zmq_async()
-        await self.llm.resume_generation()
         async for last in stream:
             pass
         sample = last.outputs[0]
-        return {"updated": updated, "streamed": streamed, "token_ids": list(sample.token_ids),
+        held = (await self.llm.collective_rpc("held_requests"))[0]
+        return {"updated": updated, "streamed": streamed, "held": held, "token_ids": list(sample.token_ids),
                 "logprobs": [float(step[t].logprob) for step, t in zip(sample.logprobs, sample.token_ids)]}
 
 

@@ -17,6 +17,8 @@ On a GPU, vLLM's unquantised layers read their parameters at every call; here th
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass, field
 
 import torch
 from vllm.model_executor.layers import utils as layer_utils
@@ -38,6 +40,30 @@ if not torch.cuda.is_available():
     torch.accelerator.synchronize = lambda *args, **kwargs: None
 
 
+@dataclass
+class Hold:
+    """A request to hold across the engine's next weight update (RefitExtension.hold_a_request)."""
+
+    at_tokens: int
+    after_finished: int  # the engine's count of finished requests the candidates arrive after
+    candidates: list[str] = field(default_factory=list)  # in order of arrival
+    updates_at_arrival: int = 0  # updates applied when the first candidate arrived
+    paused: bool = False
+
+
+def engine_core():
+    """The vLLM engine core stepping this worker (same process: the uniprocess executor), found up the
+    calling frames of its step: the worker has no reference to it, and only it can pause the scheduler."""
+    from vllm.v1.engine.core import EngineCore
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), EngineCore):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    raise RuntimeError("the engine's worker was stepped from outside vLLM's EngineCore: no scheduler to pause")
+
+
 # The optimizer steps the weights the engine serves have seen, from the last refit the mailbox brought (the
 # engine's worker runs in the generation worker's process: tests/support/nemo_vllm_worker.py reads it).
 LOADED_POLICY_STEPS: list[int] = []
@@ -54,12 +80,75 @@ class RefitExtension:
         """NeMo-RL's worker asks for its device's UUID (the key of its CUDA-IPC refit): the CPU here."""
         return f"cpu-{os.getpid()}"
 
+    def hold_a_request(self, at_tokens: int, after_finished: int = 0) -> None:
+        """Hold a request across the next weight update: the first to arrive once `after_finished` more
+        requests have finished that is found running with `at_tokens` generated tokens at the start of a
+        step (it has `at_tokens` + 1 after that step). The engine then pauses (upstream's
+        `pause_scheduler(mode="keep")`: nothing is scheduled, utility calls still run) until the next
+        weight update is applied, so the update lands inside that response by construction; unless an
+        update lands first while those requests run."""
+        self._watch_steps()
+        self.hold = Hold(at_tokens, self.finished_requests + after_finished)
+
+    def _watch_steps(self) -> None:
+        """Wrap this worker's `execute_model` (what the engine core calls every step) to follow the requests
+        it is given: arrivals, finishes and generated tokens."""
+        if "execute_model" in vars(self):
+            return
+        self.finished_requests, self.updates_applied, self.hold, self.held = 0, 0, None, []
+        step = self.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            self._follow(scheduler_output)
+            return step(scheduler_output, *args, **kwargs)
+
+        self.execute_model = execute_model
+
+    def _follow(self, scheduler_output) -> None:
+        finished = scheduler_output.finished_req_ids
+        self.finished_requests += len(finished)
+        hold = self.hold
+        if hold is None or hold.paused:
+            return
+        if self.finished_requests >= hold.after_finished:
+            for new in scheduler_output.scheduled_new_reqs:
+                if not hold.candidates:
+                    hold.updates_at_arrival = self.updates_applied
+                hold.candidates.append(new.req_id)
+        if hold.candidates and self.updates_applied != hold.updates_at_arrival:
+            self.hold = None  # an update landed while they ran
+            return
+        hold.candidates = [r for r in hold.candidates if r not in finished]
+        # the model runner's state of each request (a new one's is added, a finished one's dropped, in this step)
+        running = self.model_runner.requests
+        ready = [r for r in hold.candidates if r in running and len(running[r].output_token_ids) >= hold.at_tokens]
+        if ready:
+            self.engine_core = engine_core()
+            self.engine_core.pause_scheduler(mode="keep", clear_cache=False)
+            hold.paused = True
+            # after this step: the tokens sampled before the update
+            self.held.append({"request": ready[0], "tokens": len(running[ready[0]].output_token_ids) + 1})
+
+    def held_requests(self) -> list[dict]:
+        """Each request the engine held: its id and its tokens when the engine paused for the update."""
+        return list(getattr(self, "held", []))
+
     def update_weights_via_ipc_zmq(self) -> bool:
         """What NeMo-RL's workers call for a refit. Its CUDA-IPC/ZMQ stream from the trainer is replaced by
         a safetensors file a trainer in the test's process writes first (REFIT_FILE_ENV), or else by the
         newest weights the Megatron policy workers posted (tests/support/refit_mailbox.py, waiting for
         them: upstream's stream and update run at once). The weights end, as upstream's do, in vLLM's own
-        `model.load_weights`."""
+        `model.load_weights`. A held request is released either way (a failed update must not leave the
+        engine paused)."""
+        try:
+            self._load_the_refit()
+        finally:
+            self._release_the_hold()
+        if hasattr(self, "updates_applied"):
+            self.updates_applied += 1
+        return True
+
+    def _load_the_refit(self) -> None:
         if os.environ.get(REFIT_FILE_ENV):
             from safetensors.torch import load_file
 
@@ -73,7 +162,12 @@ class RefitExtension:
         unloaded = set(report["parameters"]) - set(report["loaded"])
         if unloaded:  # a stale parameter would serve the old weights' log-probs
             raise RuntimeError(f"the refit left these engine parameters as they were: {sorted(unloaded)}")
-        return True
+
+    def _release_the_hold(self) -> None:
+        hold = getattr(self, "hold", None)
+        if hold is not None and hold.paused:
+            self.hold = None
+            self.engine_core.resume_scheduler()
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
         """Upstream keeps the names, shapes and dtypes its CUDA-IPC/NCCL stream is unpacked by; the file
