@@ -93,12 +93,14 @@ def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine
     assert len(tokens) == MAX_TOKENS
     m = _applied_after(old, new, tokens, got)
     taken = ray.get(engine.worker.take_token_versions.remote())
-    print(f"{out['streamed']} token(s) streamed when the update was sent; the engine held {out['held']} and "
-          f"applied it after token {m} of {len(tokens)}; recorded {taken['records']}")
-    if out["held"]:  # paused at the step boundary after its token HOLD_AT + 1 until the update
-        assert [h["tokens"] for h in out["held"]] == [HOLD_AT + 1] == [m]
-    else:  # the update reached the engine a step before that boundary
-        assert m == HOLD_AT
+    (sampled,) = out["sampled"]
+    print(f"{out['streamed']} token(s) streamed when the update was sent; the engine applied it after token "
+          f"{m} of {len(tokens)} (held: {sampled['held']}); recorded {taken['records']}")
+    # the engine's own record: where it applied the update, and whether it held the request for it
+    assert (sampled["context"], sampled["tokens"]) == (PROMPT, tokens)
+    assert sampled["updates"] == [before] * m + [before + 1] * (len(tokens) - m)
+    # held: paused at the step boundary after its token HOLD_AT + 1; else the update came a step earlier
+    assert m == (HOLD_AT + 1 if sampled["held"] else HOLD_AT)
     assert taken["updates"] == before + 1
     assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before], [m, before + 1]]}]
 
@@ -118,3 +120,5 @@ def test_a_failed_update_leaves_the_response_on_one_version(engine):
     taken = ray.get(engine.worker.take_token_versions.remote())
     assert taken["updates"] == before
     assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before]]}]
+    (sampled,) = out["sampled"]
+    assert sampled["updates"] == [before] * len(tokens) and not sampled["held"]

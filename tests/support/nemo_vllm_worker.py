@@ -115,11 +115,13 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
         `update_weights_via_ipc_zmq_async` sent once `hold_at` tokens have streamed (or the first output,
         without `hold_at`). With `hold_at` the engine holds the request from then until the update is
         applied (tests/support/vllm_cpu_worker.py, `hold_a_request`): the update lands after its token
-        `hold_at` or `hold_at` + 1, whichever step boundary the update reaches the engine at."""
+        `hold_at` or `hold_at` + 1, whichever step boundary the update reaches the engine at. `sampled`: the
+        engine's own record of the requests that finished meanwhile (`take_sampled`)."""
         import uuid
 
         from vllm import SamplingParams
 
+        await self.llm.collective_rpc("watch_steps")
         if hold_at is not None:
             await self.llm.collective_rpc("hold_a_request", args=(hold_at,))
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True,
@@ -133,8 +135,8 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
         async for last in stream:
             pass
         sample = last.outputs[0]
-        held = (await self.llm.collective_rpc("held_requests"))[0]
-        return {"updated": updated, "streamed": streamed, "held": held, "token_ids": list(sample.token_ids),
+        (sampled,) = await self.llm.collective_rpc("take_sampled")
+        return {"updated": updated, "streamed": streamed, "sampled": sampled, "token_ids": list(sample.token_ids),
                 "logprobs": [float(step[t].logprob) for step, t in zip(sample.logprobs, sample.token_ids)]}
 
 

@@ -1,7 +1,9 @@
 """The engine's `worker_extension_cls` in the tests (tests/support/vllm_engine.py): imported inside vLLM's
 worker process before it loads the model, it keeps the linear layers' weights as parameters on the CPU
 backend, as they are on a GPU, makes the worker's CUDA synchronise a no-op where there is no CUDA device,
-and gives the worker the end of a refit.
+and gives the worker the end of a refit. For the tests of in-flight updates it also watches the engine's
+steps (`watch_steps`): the engine's own record of which weights sampled each token, and a request held
+across an update by construction (`hold_a_request`).
 
 Why the synchronise: with PyPI's torch (a CUDA build, NeMo-RL's pin) and no GPU, the worker's shutdown
 calls `torch.accelerator.synchronize()`, which initialises CUDA and raises "Found no NVIDIA driver".
@@ -49,11 +51,25 @@ class Hold:
     candidates: list[str] = field(default_factory=list)  # in order of arrival
     updates_at_arrival: int = 0  # updates applied when the first candidate arrived
     paused: bool = False
+    request: str | None = None  # the one held
+
+
+@dataclass
+class Sampling:
+    """What the engine knows of one request while it runs: the updates applied before it arrived, and its
+    generated-token count at each update applied since (the tokens after it are the new weights')."""
+
+    arrived_after_updates: int
+    tokens_at_update: list[int] = field(default_factory=list)
+
+    def versions(self, tokens: int) -> list[int]:
+        """Per generated token, the count of weight updates the engine had applied when it sampled it."""
+        return [self.arrived_after_updates + sum(n <= i for n in self.tokens_at_update) for i in range(tokens)]
 
 
 def engine_core():
-    """The vLLM engine core stepping this worker (same process: the uniprocess executor), found up the
-    calling frames of its step: the worker has no reference to it, and only it can pause the scheduler."""
+    """The vLLM engine core calling this worker (same process: the uniprocess executor), found up the calling
+    frames of its step or utility call: the worker has no reference to it, and only it holds the scheduler."""
     from vllm.v1.engine.core import EngineCore
 
     frame = sys._getframe(1)
@@ -87,15 +103,19 @@ class RefitExtension:
         `pause_scheduler(mode="keep")`: nothing is scheduled, utility calls still run) until the next
         weight update is applied, so the update lands inside that response by construction; unless an
         update lands first while those requests run."""
-        self._watch_steps()
+        self.watch_steps()
         self.hold = Hold(at_tokens, self.finished_requests + after_finished)
 
-    def _watch_steps(self) -> None:
+    def watch_steps(self) -> None:
         """Wrap this worker's `execute_model` (what the engine core calls every step) to follow the requests
-        it is given: arrivals, finishes and generated tokens."""
+        it is given: arrivals, finishes and generated tokens, and from then on record each finished
+        request's per-token weight versions (`take_sampled`)."""
         if "execute_model" in vars(self):
             return
-        self.finished_requests, self.updates_applied, self.hold, self.held = 0, 0, None, []
+        self.finished_requests, self.updates_applied, self.hold = 0, 0, None
+        self.sampling: dict[str, Sampling] = {}
+        self.sampled: list[dict] = []
+        self.held: list[str] = []  # the requests the engine held, released
         step = self.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
@@ -104,9 +124,24 @@ class RefitExtension:
 
         self.execute_model = execute_model
 
+    def take_sampled(self) -> list[dict]:
+        """The requests finished since the last call, as the engine sampled them: id, context, generated
+        tokens, per token the weight updates applied before it, and whether the engine held it. Includes
+        those the scheduler has finished but not yet told this worker of (it does at the next step)."""
+        for request in engine_core().scheduler.finished_req_ids:
+            self._sampled(request, self.model_runner.requests.get(request))
+        taken, self.sampled = self.sampled, []
+        return taken
+
     def _follow(self, scheduler_output) -> None:
+        # the model runner's state of each request (a new one's is added, a finished one's dropped, in this step)
+        running = self.model_runner.requests
         finished = scheduler_output.finished_req_ids
         self.finished_requests += len(finished)
+        for request in finished:
+            self._sampled(request, running.get(request))
+        for new in scheduler_output.scheduled_new_reqs:
+            self.sampling[new.req_id] = Sampling(self.updates_applied)
         hold = self.hold
         if hold is None or hold.paused:
             return
@@ -119,19 +154,30 @@ class RefitExtension:
             self.hold = None  # an update landed while they ran
             return
         hold.candidates = [r for r in hold.candidates if r not in finished]
-        # the model runner's state of each request (a new one's is added, a finished one's dropped, in this step)
-        running = self.model_runner.requests
         ready = [r for r in hold.candidates if r in running and len(running[r].output_token_ids) >= hold.at_tokens]
         if ready:
             self.engine_core = engine_core()
             self.engine_core.pause_scheduler(mode="keep", clear_cache=False)
-            hold.paused = True
-            # after this step: the tokens sampled before the update
-            self.held.append({"request": ready[0], "tokens": len(running[ready[0]].output_token_ids) + 1})
+            hold.paused, hold.request = True, ready[0]
 
-    def held_requests(self) -> list[dict]:
-        """Each request the engine held: its id and its tokens when the engine paused for the update."""
-        return list(getattr(self, "held", []))
+    def _sampled(self, request: str, state) -> None:
+        sampling = self.sampling.pop(request, None)
+        if sampling is None or state is None:  # arrived before the watch began
+            return
+        tokens = list(state.output_token_ids)
+        self.sampled.append({
+            "request": request, "context": list(state.prompt_token_ids or []), "tokens": tokens,
+            "updates": sampling.versions(len(tokens)), "held": request in self.held,
+        })
+
+    def _updated(self) -> None:
+        """An update was applied between two steps: every running request's tokens so far were the old weights'."""
+        if not hasattr(self, "sampling"):
+            return
+        self.updates_applied += 1
+        for request, sampling in self.sampling.items():
+            state = self.model_runner.requests.get(request)
+            sampling.tokens_at_update.append(len(state.output_token_ids) if state is not None else 0)
 
     def update_weights_via_ipc_zmq(self) -> bool:
         """What NeMo-RL's workers call for a refit. Its CUDA-IPC/ZMQ stream from the trainer is replaced by
@@ -144,8 +190,7 @@ class RefitExtension:
             self._load_the_refit()
         finally:
             self._release_the_hold()
-        if hasattr(self, "updates_applied"):
-            self.updates_applied += 1
+        self._updated()
         return True
 
     def _load_the_refit(self) -> None:
@@ -167,6 +212,7 @@ class RefitExtension:
         hold = getattr(self, "hold", None)
         if hold is not None and hold.paused:
             self.hold = None
+            self.held.append(hold.request)
             self.engine_core.resume_scheduler()
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
