@@ -16,7 +16,7 @@ One module-scoped run drives everything (one driver run of two GRPO steps in a p
 tests/support/nemo_megatron_rehearsal_run.py); the workers record, per rank, what the loss saw and the reduced
 gradients, and the tests compare them with independent computations. Stopping and resuming are rehearsed
 where that is the subject: tests/nemo_rl/test_fault_rehearsal.py (DP 2, four resumes after five faults) and
-tests/nemo_rl/test_async_rehearsal.py (CP 2, the async loop); this module checks the checkpoint the workers
+tests/nemo_rl/test_async_rehearsal.py (the async loop, on the real engine); this module checks the checkpoint the workers
 write. The negative controls plant defects into the same worker code on 8 gloo ranks without Ray
 (tests/support/nemo_megatron_harness.py).
 """

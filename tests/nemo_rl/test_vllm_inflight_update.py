@@ -78,7 +78,7 @@ def _applied_after(old, new, tokens: list[int], got: torch.Tensor) -> int:
 
 
 def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine):
-    """NeMo-RL's in-flight update lands between two steps of a running request, held in the engine from its
+    """NeMo-RL's in-flight update lands between two steps of a running request, held in the engine after its
     token HOLD_AT until the update is applied: the tokens before it are the old weights' (log-probs), the
     rest the new weights' over the request's cache from before; bapo_nemo's record of that response, as
     the driver collects it, is [[0, 0 updates], [m, 1 update]] at that same m."""
@@ -94,13 +94,13 @@ def test_the_record_splits_a_response_where_the_engine_applied_the_update(engine
     m = _applied_after(old, new, tokens, got)
     taken = ray.get(engine.worker.take_token_versions.remote())
     (sampled,) = out["sampled"]
-    print(f"{out['streamed']} token(s) streamed when the update was sent; the engine applied it after token "
-          f"{m} of {len(tokens)} (held: {sampled['held']}); recorded {taken['records']}")
-    # the engine's own record: where it applied the update, and whether it held the request for it
+    print(f"{out['streamed']} token(s) streamed when the update was sent; the engine held the request after "
+          f"token {sampled['held_at']} and applied it after token {m} of {len(tokens)}; recorded {taken['records']}")
+    # the engine's own record: where it held the request and applied the update
     assert (sampled["context"], sampled["tokens"]) == (PROMPT, tokens)
     assert sampled["updates"] == [before] * m + [before + 1] * (len(tokens) - m)
-    # held: paused at the step boundary after its token HOLD_AT + 1; else the update came a step earlier
-    assert m == (HOLD_AT + 1 if sampled["held"] else HOLD_AT)
+    # held right after the step that sampled its token HOLD_AT (later only if that one might have ended it)
+    assert sampled["held_at"] == m >= HOLD_AT
     assert taken["updates"] == before + 1
     assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before], [m, before + 1]]}]
 
@@ -121,4 +121,4 @@ def test_a_failed_update_leaves_the_response_on_one_version(engine):
     assert taken["updates"] == before
     assert taken["records"] == [{"key": fingerprint(PROMPT, tokens), "runs": [[0, before]]}]
     (sampled,) = out["sampled"]
-    assert sampled["updates"] == [before] * len(tokens) and not sampled["held"]
+    assert sampled["updates"] == [before] * len(tokens) and sampled["held_at"] is None

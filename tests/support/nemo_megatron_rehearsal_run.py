@@ -11,8 +11,8 @@ with a stub AutoBridge and changed parity figures). tests/conftest.py fails any 
 installed in a pytest process.
 
 SPEC.json: {"config", "root", "num_gpus"} and optionally "stop_at" (a stop, then the same command
-resuming: two runs; without it one run) and "hold" (the async engine's held request,
-tests/support/nemo_vllm_standins.py's HOLD_ENV). The workers record under root/record. Writes, under
+resuming: two runs; without it one run), "engine" (NeMo-RL's vLLM workers on the real engine; without it
+the imitation's) and "hold" (the async engine's held request, tests/support/nemo_vllm_worker.py's HOLD_ENV). The workers record under root/record. Writes, under
 root: driver_calls.pt (every batch the driver handed Policy.train / Policy.get_logprobs, and the latter's
 results) and runs.json (each run's exit code, call counts and seconds, and the checkpoints the stopped run
 left).
@@ -40,8 +40,8 @@ POLICY_WORKER = "tests.support.nemo_megatron_standins.CPUMegatronPolicyWorker"
 # a Transformer Engine kernel).
 ENGINE_WORKERS = ("tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker",
                   "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker")
-IMITATION_WORKERS = ("tests.support.nemo_vllm_standins.CPUVllmGenerationWorker",
-                     "tests.support.nemo_vllm_standins.CPUVllmAsyncGenerationWorker")
+# (the imitation has no async engine: only the context-parallel rehearsal, synchronous, uses it)
+IMITATION_WORKERS = ("tests.support.nemo_vllm_standins.CPUVllmGenerationWorker", None)
 # Async GRPO's actors (grpo.async_grpo): registered for NeMo-RL's vLLM venv, here this interpreter, as in
 # NeMo-RL's NGC-PyTorch image (NEMO_RL_PY_EXECUTABLES_SYSTEM=1).
 ASYNC_ACTORS = [f"nemo_rl.algorithms.async_utils.{name}" for name in ("AsyncTrajectoryCollector", "ReplayBuffer")]
@@ -109,7 +109,7 @@ def upstream_seams(record_dir: Path, driver_calls: dict, engine: bool = False):
         sync_worker, async_worker = ENGINE_WORKERS if engine else IMITATION_WORKERS
         mp.setattr(vllm_generation, "resolve_generation_worker_cls", lambda default, cfg: (
             async_worker if cfg["vllm_cfg"]["async_engine"] else sync_worker))
-        for fqn in (POLICY_WORKER, sync_worker, async_worker, *ASYNC_ACTORS):
+        for fqn in filter(None, (POLICY_WORKER, sync_worker, async_worker, *ASYNC_ACTORS)):
             mp.setitem(registry.ACTOR_ENVIRONMENT_REGISTRY, fqn, PY_EXECUTABLES.SYSTEM)
         mp.setattr(Policy, "train", train)
         mp.setattr(Policy, "get_logprobs", get_logprobs)
@@ -170,11 +170,12 @@ def rehearse(spec: dict) -> None:
             os.kill(os.getpid(), signal.SIGUSR1)
 
     if spec.get("hold"):
-        from tests.support.nemo_vllm_standins import HOLD_ENV
+        from tests.support.nemo_vllm_worker import HOLD_ENV
 
         os.environ[HOLD_ENV] = spec["hold"]
     runs, checkpoints_after_stop = [], []
-    with private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]), upstream_seams(root / "record", calls):
+    with (private_ray_head(num_cpus=24, num_gpus=spec["num_gpus"]),
+          upstream_seams(root / "record", calls, engine=spec.get("engine", False))):
         if spec.get("stop_at"):
             calls["on_train"].append(signal_during_stop_step)
         started = time.time()

@@ -22,15 +22,19 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+import torch
 from nemo_rl.models.generation.vllm.config import VllmSpecificArgs
 from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
 from tests.support.nemo_faults import ATTEMPT_ENV, RECORD_DIR_ENV, reached
-from tests.support.vllm_engine import ENGINE_ENV, WORKER_EXTENSION
+from tests.support.vllm_engine import ENGINE_ENV, ENGINE_ID_ENV, REFIT_FILE_ENV, WORKER_EXTENSION
 
 WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
 ASYNC_WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker"
+# The request the async engine holds across an update, as "AFTER:AT": the first to arrive once AFTER
+# requests have finished, found running with AT generated tokens (unset: none).
+HOLD_ENV = "BAPO_REHEARSAL_HOLD"
 
 
 def cpu_engine_kwargs(llm_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -104,10 +108,66 @@ class CPUEngineVllmGenerationWorker(CPUEngineVllmGenerationWorkerImpl):
 
 class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
     """NeMo-RL's async worker (`async_engine`: vLLM's AsyncLLM, weight updates while requests run) with the
-    same replacements as the synchronous one above."""
+    same replacements as the synchronous one above. vLLM runs the async engine's core in a process of its
+    own, outside Ray: in a rehearsal this worker takes the policy's weights from the mailbox and hands them
+    to the engine's worker extension as the refit's file (REFIT_FILE_ENV, with the optimizer steps they
+    have seen), then sends NeMo-RL's own update. The engine's worker records every request it finished,
+    per token the update that sampled it, under RECORD_DIR_ENV; with HOLD_ENV it holds one request across
+    an update (tests/support/vllm_cpu_worker.py, `hold_a_request`)."""
 
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
+        import os
+        import time
+        from pathlib import Path
+
+        # read by the engine core's process, which vLLM starts from this one with its environment
+        os.environ[ENGINE_ID_ENV] = f"{time.time_ns()}-{os.getpid()}"
+        self.from_mailbox = not os.environ.get(REFIT_FILE_ENV) and bool(os.environ.get(RECORD_DIR_ENV))
+        if self.from_mailbox:
+            refit = Path(os.environ[RECORD_DIR_ENV]) / "generation" / f"refit-{os.environ[ENGINE_ID_ENV]}.safetensors"
+            refit.parent.mkdir(parents=True, exist_ok=True)
+            os.environ[REFIT_FILE_ENV] = str(refit)
+            self.mailbox_version = 0
         super()._create_engine(cpu_engine_kwargs(llm_kwargs))
+
+    async def post_init_async(self):
+        import os
+
+        await super().post_init_async()
+        await self.llm.collective_rpc("watch_steps")
+        if os.environ.get(HOLD_ENV):
+            after, at = (int(x) for x in os.environ[HOLD_ENV].split(":"))
+            await self.llm.collective_rpc("hold_a_request", args=(at, after))
+
+    async def update_weights_from_collective_async(self) -> bool:
+        await self._weights_from_the_mailbox()
+        return await super().update_weights_from_collective_async()
+
+    async def update_weights_via_ipc_zmq_async(self) -> bool:
+        await self._weights_from_the_mailbox()
+        return await super().update_weights_via_ipc_zmq_async()
+
+    async def _weights_from_the_mailbox(self) -> None:
+        """The transport's end on this side: the newest weights the policy posted (waiting for them, as
+        upstream's receive waits for the trainer's stream), written where the engine's worker reads them,
+        and kept under RECORD_DIR_ENV/generation/weights/<engine>_<update>.pt for the tests."""
+        import asyncio
+        import os
+        from pathlib import Path
+
+        from safetensors.torch import load, save_file
+
+        from tests.support.refit_mailbox import RAY_TIMEOUT_S, refit_mailbox
+
+        if not self.from_mailbox:
+            return
+        taken = refit_mailbox().take.remote(self.mailbox_version)
+        self.mailbox_version, data, steps = await asyncio.wait_for(taken, RAY_TIMEOUT_S)
+        weights = load(data)
+        save_file(weights, os.environ[REFIT_FILE_ENV], metadata={"policy_steps": str(steps)})
+        kept = Path(os.environ[RECORD_DIR_ENV]) / "generation" / "weights" / f"{os.environ[ENGINE_ID_ENV]}_{self.mailbox_version}.pt"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"policy_steps": steps, "weights": weights}, kept)
 
     async def generate_across_an_update(self, prompt: list[int], max_tokens: int, seed: int,
                                         hold_at: int | None = None) -> dict:
@@ -115,8 +175,8 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
         `update_weights_via_ipc_zmq_async` sent once `hold_at` tokens have streamed (or the first output,
         without `hold_at`). With `hold_at` the engine holds the request from then until the update is
         applied (tests/support/vllm_cpu_worker.py, `hold_a_request`): the update lands after its token
-        `hold_at` or `hold_at` + 1, whichever step boundary the update reaches the engine at. `sampled`: the
-        engine's own record of the requests that finished meanwhile (`take_sampled`)."""
+        `hold_at`. `sampled`: the engine's own record of the requests that finished meanwhile
+        (`take_sampled`)."""
         import uuid
 
         from vllm import SamplingParams

@@ -18,14 +18,17 @@ On a GPU, vLLM's unquantised layers read their parameters at every call; here th
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from vllm.model_executor.layers import utils as layer_utils
 
-from tests.support.vllm_engine import REFIT_FILE_ENV
+from tests.support.nemo_faults import RECORD_DIR_ENV
+from tests.support.vllm_engine import ENGINE_ID_ENV, REFIT_FILE_ENV
 
 
 def _read_parameters_at_each_call(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -98,35 +101,42 @@ class RefitExtension:
 
     def hold_a_request(self, at_tokens: int, after_finished: int = 0) -> None:
         """Hold a request across the next weight update: the first to arrive once `after_finished` more
-        requests have finished that is found running with `at_tokens` generated tokens at the start of a
-        step (it has `at_tokens` + 1 after that step). The engine then pauses (upstream's
+        requests have finished that has sampled `at_tokens` tokens and will go on (the last one stops it
+        neither by a stop token nor by its length). Right after that step the engine pauses (upstream's
         `pause_scheduler(mode="keep")`: nothing is scheduled, utility calls still run) until the next
-        weight update is applied, so the update lands inside that response by construction; unless an
+        weight update is applied, so the update lands after exactly `at_tokens` of its tokens; unless an
         update lands first while those requests run."""
         self.watch_steps()
         self.hold = Hold(at_tokens, self.finished_requests + after_finished)
 
     def watch_steps(self) -> None:
-        """Wrap this worker's `execute_model` (what the engine core calls every step) to follow the requests
-        it is given: arrivals, finishes and generated tokens, and from then on record each finished
-        request's per-token weight versions (`take_sampled`)."""
+        """Wrap this worker's `execute_model` and `sample_tokens` (what the engine core calls every step) to
+        follow the requests it is given: arrivals, finishes and generated tokens, and from then on record
+        each finished request's per-token weight versions (`take_sampled`)."""
         if "execute_model" in vars(self):
             return
         self.finished_requests, self.updates_applied, self.hold = 0, 0, None
         self.sampling: dict[str, Sampling] = {}
         self.sampled: list[dict] = []
-        self.held: list[str] = []  # the requests the engine held, released
-        step = self.execute_model
+        self.held: dict[str, int] = {}  # the requests the engine held: their tokens when it paused
+        self.policy_steps_by_update: list[int | None] = [None]  # update 0: the weights the engine loaded
+        step, sample = self.execute_model, self.sample_tokens
 
         def execute_model(scheduler_output, *args, **kwargs):
             self._follow(scheduler_output)
             return step(scheduler_output, *args, **kwargs)
 
-        self.execute_model = execute_model
+        def sample_tokens(*args, **kwargs):
+            output = sample(*args, **kwargs)
+            self._hold_if_ready()
+            return output
+
+        self.execute_model, self.sample_tokens = execute_model, sample_tokens
 
     def take_sampled(self) -> list[dict]:
         """The requests finished since the last call, as the engine sampled them: id, context, generated
-        tokens, per token the weight updates applied before it, and whether the engine held it. Includes
+        tokens, per token the weight updates applied before it and the policy's optimizer steps those
+        weights had seen, and the tokens it had when the engine held it for an update (or None). Includes
         those the scheduler has finished but not yet told this worker of (it does at the next step)."""
         for request in engine_core().scheduler.finished_req_ids:
             self._sampled(request, self.model_runner.requests.get(request))
@@ -154,27 +164,60 @@ class RefitExtension:
             self.hold = None  # an update landed while they ran
             return
         hold.candidates = [r for r in hold.candidates if r not in finished]
-        ready = [r for r in hold.candidates if r in running and len(running[r].output_token_ids) >= hold.at_tokens]
-        if ready:
-            self.engine_core = engine_core()
-            self.engine_core.pause_scheduler(mode="keep", clear_cache=False)
-            hold.paused, hold.request = True, ready[0]
+
+    def _hold_if_ready(self) -> None:
+        """After a step's sampling: pause the engine for the first candidate with its tokens that goes on."""
+        hold = self.hold
+        if hold is None or hold.paused:
+            return
+        running = self.model_runner.requests
+        for request in hold.candidates:
+            state = running.get(request)
+            if state is not None and len(state.output_token_ids) >= hold.at_tokens and self._goes_on(state):
+                self.engine_core = engine_core()
+                self.engine_core.pause_scheduler(mode="keep", clear_cache=False)
+                hold.paused, hold.request = True, request
+                self.held[request] = len(state.output_token_ids)
+                return
+
+    def _goes_on(self, state) -> bool:
+        """Whether the scheduler will keep a request running after the token it just sampled (vLLM's
+        `check_stop`, read conservatively: any end-of-sequence id the model or request names stops it)."""
+        params, tokens = state.sampling_params, state.output_token_ids
+        if params is None or len(tokens) >= (params.max_tokens or 0):
+            return False
+        if len(state.prompt_token_ids or []) + len(tokens) >= self.model_runner.max_model_len:
+            return False
+        hf_eos = getattr(self.model_runner.model_config.hf_config, "eos_token_id", None)
+        stops = set(params.all_stop_token_ids) | set(params.stop_token_ids or [])
+        stops |= {params.eos_token_id} | set(hf_eos if isinstance(hf_eos, list) else [hf_eos])
+        return tokens[-1] not in stops
 
     def _sampled(self, request: str, state) -> None:
         sampling = self.sampling.pop(request, None)
         if sampling is None or state is None:  # arrived before the watch began
             return
         tokens = list(state.output_token_ids)
-        self.sampled.append({
-            "request": request, "context": list(state.prompt_token_ids or []), "tokens": tokens,
-            "updates": sampling.versions(len(tokens)), "held": request in self.held,
-        })
+        updates = sampling.versions(len(tokens))
+        record = {
+            "engine": os.environ.get(ENGINE_ID_ENV), "request": request, "context": list(state.prompt_token_ids or []),
+            "tokens": tokens, "updates": updates, "policy_steps": [self.policy_steps_by_update[u] for u in updates],
+            "held_at": self.held.get(request),
+        }
+        self.sampled.append(record)
+        directory = os.environ.get(RECORD_DIR_ENV)
+        if directory:  # the rehearsals read every engine's requests back
+            path = Path(directory) / "generation" / f"engine-{os.environ.get(ENGINE_ID_ENV)}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def _updated(self) -> None:
         """An update was applied between two steps: every running request's tokens so far were the old weights'."""
         if not hasattr(self, "sampling"):
             return
         self.updates_applied += 1
+        self.policy_steps_by_update.append(LOADED_POLICY_STEPS[0] if LOADED_POLICY_STEPS else None)
         for request, sampling in self.sampling.items():
             state = self.model_runner.requests.get(request)
             sampling.tokens_at_update.append(len(state.output_token_ids) if state is not None else 0)
@@ -195,9 +238,13 @@ class RefitExtension:
 
     def _load_the_refit(self) -> None:
         if os.environ.get(REFIT_FILE_ENV):
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
             weights = load_file(os.environ[REFIT_FILE_ENV])
+            with safe_open(os.environ[REFIT_FILE_ENV], "pt") as f:  # written from the mailbox: its steps too
+                steps = (f.metadata() or {}).get("policy_steps")
+            LOADED_POLICY_STEPS[:] = [int(steps)] if steps is not None else []
         else:
             from tests.support.refit_mailbox import take_newer
 
@@ -212,7 +259,6 @@ class RefitExtension:
         hold = getattr(self, "hold", None)
         if hold is not None and hold.paused:
             self.hold = None
-            self.held.append(hold.request)
             self.engine_core.resume_scheduler()
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:

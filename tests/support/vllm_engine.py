@@ -10,6 +10,7 @@ log-probs, `model.load_weights`) is vLLM's.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,9 @@ ENGINE_ENV = {
 WORKER_EXTENSION = "tests.support.vllm_cpu_worker.RefitExtension"
 # The refit's safetensors file, which the extension loads where NeMo-RL's CUDA-IPC stream would end.
 REFIT_FILE_ENV = "BAPO_TEST_REFIT_FILE"
+# A name for one engine's records, set by the generation worker that starts it (chronological: a resumed
+# run's engine sorts after the first run's).
+ENGINE_ID_ENV = "BAPO_TEST_ENGINE_ID"
 VOCAB = 96
 MAX_MODEL_LEN = 128
 
@@ -87,15 +91,23 @@ def response_logprobs(logits: torch.Tensor, context_len: int, response: Sequence
 def trainer_token_logprobs_across_update(old, new, context: Sequence[int], response: Sequence[int], applied_after: int,
                                          temperature: float = 1.0):
     """The same for an engine that applied `new` weights in place of `old` after sampling `applied_after`
-    tokens of the response: those on the old weights; every later one on the new weights over the keys and
-    values it had cached before the update (the context's and response[:applied_after - 1]'s: each step
-    caches its input token's, and vLLM keeps a running request's cache across an update)."""
+    tokens of the response (trainer_token_logprobs_by_version)."""
+    versions = [0] * applied_after + [1] * (len(response) - applied_after)
+    return trainer_token_logprobs_by_version([old, new], context, response, versions, temperature)
+
+
+def trainer_token_logprobs_by_version(models: Sequence, context: Sequence[int], response: Sequence[int],
+                                      versions: Sequence[int], temperature: float = 1.0):
+    """log pi(response[t] | context + response[:t]) as an engine that changed weights while sampling the
+    response computes it: token t sampled by `models[versions[t]]` over the keys and values cached before
+    (each step computes its input token's, the previous token's, with the weights of that step; vLLM keeps a
+    running request's cache across an update)."""
     ids = list(context) + list(response)
-    cached = len(context) + applied_after - 1
+    logits, past, cached = [], None, 0
     with torch.no_grad():
-        before = old(torch.tensor([ids[:cached]]), use_cache=True)
-        after = new(torch.tensor([ids[cached:]]), past_key_values=before.past_key_values, use_cache=True)
-        logits = torch.cat([before.logits[0], after.logits[0]]).double()
-    start = len(context) - 1
-    scaled = logits[start : start + len(response)] / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(list(response))[:, None])[:, 0]
+        for version, tokens in itertools.groupby(range(len(response)), key=lambda t: versions[t]):
+            end = len(context) + list(tokens)[-1]  # the input that predicts this run's last token, excluded
+            out = models[version](torch.tensor([ids[cached:end]]), past_key_values=past, use_cache=True)
+            logits.append(out.logits[0])
+            past, cached = out.past_key_values, end
+    return response_logprobs(torch.cat(logits).double(), len(context), response, temperature)
