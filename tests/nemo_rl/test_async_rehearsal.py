@@ -129,13 +129,14 @@ class EngineWeights:
         self.received = engine_weights(rehearsal["record"])
         self.base = Qwen2ForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.models = {}
-        self._class = Qwen2ForCausalLM
 
     def model(self, engine: str, update: int):
         if update == 0:
             return self.base
         if (engine, update) not in self.models:
-            model = self._class(self.config).eval()
+            from transformers import Qwen2ForCausalLM
+
+            model = Qwen2ForCausalLM(self.config).eval()
             model.load_state_dict(self.received[engine, update]["weights"])
             self.models[engine, update] = model
         return self.models[engine, update]

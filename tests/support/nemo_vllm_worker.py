@@ -33,7 +33,7 @@ from tests.support.vllm_engine import ENGINE_ENV, ENGINE_ID_ENV, REFIT_FILE_ENV,
 WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmGenerationWorker"
 ASYNC_WORKER = "tests.support.nemo_vllm_worker.CPUEngineVllmAsyncGenerationWorker"
 # The request the async engine holds across an update, as "AFTER:AT": the first to arrive once AFTER
-# requests have finished, found running with AT generated tokens (unset: none).
+# requests have finished, once it has sampled AT tokens that do not end it (unset: none).
 HOLD_ENV = "BAPO_REHEARSAL_HOLD"
 
 
@@ -181,8 +181,7 @@ class CPUEngineVllmAsyncGenerationWorkerImpl(VllmAsyncGenerationWorkerImpl):
 
         from vllm import SamplingParams
 
-        await self.llm.collective_rpc("watch_steps")
-        if hold_at is not None:
+        if hold_at is not None:  # the engine's steps are watched from post_init_async on
             await self.llm.collective_rpc("hold_a_request", args=(hold_at,))
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True,
                                 detokenize=False, seed=seed)

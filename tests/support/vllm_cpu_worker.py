@@ -54,7 +54,6 @@ class Hold:
     candidates: list[str] = field(default_factory=list)  # in order of arrival
     updates_at_arrival: int = 0  # updates applied when the first candidate arrived
     paused: bool = False
-    request: str | None = None  # the one held
 
 
 @dataclass
@@ -176,7 +175,7 @@ class RefitExtension:
             if state is not None and len(state.output_token_ids) >= hold.at_tokens and self._goes_on(state):
                 self.engine_core = engine_core()
                 self.engine_core.pause_scheduler(mode="keep", clear_cache=False)
-                hold.paused, hold.request = True, request
+                hold.paused = True
                 self.held[request] = len(state.output_token_ids)
                 return
 
